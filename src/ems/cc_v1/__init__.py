@@ -1,0 +1,1 @@
+"""Compatibility namespace of the original SDK's V1 modules."""

@@ -1,0 +1,1 @@
+"""The client side: ContextCaching, the Ems singleton, transports and copy paths."""

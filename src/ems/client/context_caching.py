@@ -1,0 +1,290 @@
+"""ContextCaching: the V0 and V1 request API, one executor behind sync and async.
+
+``save``/``load`` are ``async_save``/``async_load`` followed by ``result()``. Each
+request is validated and normalised (``ems.keys``) in the caller's thread, so bad
+input raises at once and nothing is stored; it then runs on one of this object's
+worker threads:
+
+* save: ``reserve`` every key (one batch) -> copy the NEW ones into pool memory ->
+  ``commit`` (one batch). Keys already stored count as saved without a copy.
+* load: ``acquire`` the leading hits (one batch; pins them) -> copy them into the
+  caller's memory -> ``release`` (one batch). A key whose stored size differs from the
+  request's is a miss and nothing is written for it; nothing after a miss is copied.
+
+``CcResult.success`` counts consecutive successes from the start of the batch.
+Many requests may be in flight; the object is safe to use from several threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from ems.client.layout import RegisteredLayout
+from ems.client.movers import V0Mover
+from ems.client.transport import GrantStatus, Transport
+from ems.config import CcConfig, CcConfig_v1, CcKvOption, KVCacheType, validate_option
+from ems.errors import EmsErrorCode, EmsException, invalid
+from ems.futures import Cancelled, CcFuture, CcResult, Task
+from ems import keys as _keys
+
+__all__ = ["ContextCaching", "ContextCache_v1"]
+
+logger = logging.getLogger(__name__)
+
+_V1_WORDS = ("slot_mapping", "hashes", "offsets", "chunk_descs")
+
+
+class ContextCaching:
+    """Save and load KV-cache blocks to and from the pool (get it from ``Ems.get_cc()``)."""
+
+    def __init__(self, transport: Transport, cc_config: Optional[CcConfig],
+                 cc_config_v1: Optional[CcConfig_v1], workers: int = 4,
+                 tenant: str = "") -> None:
+        self._transport = transport
+        self._cc_config = cc_config
+        self._cc_v1 = cc_config_v1
+        self._tenant = tenant
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ems-cc")
+        self._layout: Optional[RegisteredLayout] = None
+        self._v1_prefix = ""
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ V1 setup
+    def register_kvcache(self, kv_caches: Any, store_layer_group_desc: Any = None) -> None:
+        """Register the paged KV cache (per layer, a list of tensors); see ``layout``."""
+        self._check_open()
+        cfg = self._cc_v1
+        if cfg is None:
+            raise invalid("register_kvcache needs EmsConfig.cc_config_v1 (a CcConfig_v1) "
+                          "at Ems.init")
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise invalid("register_kvcache needs torch, which is not installed") from None
+        layout = RegisteredLayout(kv_caches, store_layer_group_desc)
+        tp = "mla" if cfg.kvcache_type == KVCacheType.MLA else (
+            f"{cfg.tp_world_size}.{cfg.rank_in_tp_group}")
+        ident = "\x1f".join([self._tenant, cfg.llm_engine, cfg.model_id,
+                             f"pp{cfg.pp_world_size}.{cfg.rank_in_pp_group}", f"tp{tp}",
+                             layout.fingerprint])
+        prefix = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
+        with self._lock:
+            self._layout = layout
+            self._v1_prefix = f"v1:{prefix}:"
+        logger.info("ems: registered %d tensors in %d layer group(s), layout %s",
+                    len(layout.tensors), len(layout.groups), layout.fingerprint)
+
+    # ------------------------------------------------------------------ requests
+    def save(self, *args: Any, **kwargs: Any) -> CcResult:
+        """V0 ``save(option, key_list, value_list)`` or V1 ``save(slot_mapping, hashes,
+        offsets, option=None)`` / ``save(hashes=..., chunk_descs=..., option=None)``."""
+        return self.async_save(*args, **kwargs).result()
+
+    def load(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Same arguments as :meth:`save`; fills the caller's buffers / cache slots."""
+        return self.async_load(*args, **kwargs).result()
+
+    def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
+        return self._submit(self._normalize("save", args, kwargs))
+
+    def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
+        return self._submit(self._normalize("load", args, kwargs))
+
+    def exists(self, hashes: Any, option: Optional[CcKvOption] = None, **kwargs: Any
+               ) -> CcResult:
+        """How many leading blocks (V1 hashes) are in the pool; no copy, no pin.
+
+        Bad input raises ``EMS_INVALID_ARGUMENT``; a pool failure never raises: it
+        answers ``success=0``. ``kwargs`` may carry ``offsets`` or ``chunk_descs`` to
+        check that each block was stored with that token count.
+        """
+        validate_option(option, required=False)
+        hs = _keys.validate_hashes(hashes)
+        layout, prefix = self._v1_state()
+        sizes = None
+        if "offsets" in kwargs or "chunk_descs" in kwargs:
+            if "chunk_descs" in kwargs:
+                chunks, hs = _keys.validate_chunk_descs(kwargs["chunk_descs"], hashes,
+                                                        len(layout.groups))
+                sizes = layout.plan_chunks(chunks).sizes
+            else:
+                offs = _keys._int_list(kwargs["offsets"], "offsets")
+                if len(offs) != len(hs) or any(n <= 0 for n in offs):
+                    raise invalid("offsets must hold one int > 0 per hash")
+                slots = [0] * sum(offs)
+                sizes = layout.plan_slots(slots, offs).sizes
+        try:
+            n = self._transport.exists([prefix + str(h) for h in hs], sizes)
+        except EmsException as exc:
+            logger.warning("ems: exists failed, answering 0: %s", exc)
+            n = 0
+        except Exception:  # noqa: BLE001 - exists never raises for pool failures
+            logger.exception("ems: exists failed, answering 0")
+            n = 0
+        return CcResult(n, len(hs))
+
+    def is_ready(self, future: CcFuture) -> bool:
+        """Non-blocking: True once ``get_result(future)`` would not block."""
+        if not isinstance(future, CcFuture):
+            raise invalid(f"future must be a CcFuture, got {type(future).__name__}")
+        return future.done()
+
+    def get_result(self, future: CcFuture) -> CcResult:
+        """``future.result()``."""
+        if not isinstance(future, CcFuture):
+            raise invalid(f"future must be a CcFuture, got {type(future).__name__}")
+        return future.result()
+
+    def statistics(self) -> Any:
+        """Counters of the pool this object uses (a frozen dataclass)."""
+        self._check_open()
+        return self._transport.statistics()
+
+    def close(self) -> None:
+        """Wait for requests in flight, then stop the workers (``Ems.finalize`` calls it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
+                               "this ContextCaching was closed by Ems.finalize")
+
+    def _v1_state(self) -> tuple[RegisteredLayout, str]:
+        with self._lock:
+            layout, prefix = self._layout, self._v1_prefix
+        if layout is None:
+            raise invalid("V1 calls need register_kvcache(kv_caches) first")
+        return layout, prefix
+
+    def _normalize(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
+        self._check_open()
+        if any(w in kwargs for w in _V1_WORDS) or (
+                args and args[0] is not None and not isinstance(args[0], CcKvOption)):
+            return self._normalize_v1(op, args, kwargs)
+        return self._normalize_v0(op, args, kwargs)
+
+    def _normalize_v0(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
+        names = ("option", "key_list", "value_list")
+        bound = self._bind(op, names, args, kwargs)
+        option = validate_option(bound.get("option"), required=True)
+        storage_keys = _keys.v0_storage_keys(bound.get("key_list"))
+        regions = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
+        sizes = [sum(n for _, n in r) for r in regions]
+        return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
+
+    def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
+        names = ("slot_mapping", "hashes", "offsets", "option", "chunk_descs")
+        bound = self._bind(op, names, args, kwargs)
+        option = validate_option(bound.get("option"), required=False)
+        layout, prefix = self._v1_state()
+        has_slots = bound.get("slot_mapping") is not None or bound.get("offsets") is not None
+        has_chunks = bound.get("chunk_descs") is not None
+        if has_slots and has_chunks:
+            raise invalid("use exactly one semantics: slot_mapping+hashes+offsets or "
+                          "hashes+chunk_descs, not both")
+        if has_chunks:
+            chunks, hs = _keys.validate_chunk_descs(bound["chunk_descs"], bound.get("hashes"),
+                                                    len(layout.groups))
+            mover = layout.plan_chunks(chunks)
+        elif has_slots:
+            slots, hs, offs = _keys.validate_slot_request(
+                bound.get("slot_mapping"), bound.get("hashes"), bound.get("offsets"))
+            mover = layout.plan_slots(slots, offs)
+        else:
+            raise invalid("V1 calls need slot_mapping+hashes+offsets or hashes+chunk_descs")
+        return _keys.Request(op, [prefix + str(h) for h in hs], mover.sizes, mover, option)
+
+    @staticmethod
+    def _bind(op: str, names: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if len(args) > len(names):
+            raise invalid(f"{op} takes at most {len(names)} positional arguments "
+                          f"({', '.join(names)}), got {len(args)}")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise invalid(f"{op} got an unexpected argument {k!r}; expected "
+                              f"{', '.join(names)}")
+            if k in bound:
+                raise invalid(f"{op} got {k!r} both by position and by name")
+            bound[k] = v
+        return bound
+
+    def _submit(self, req: _keys.Request) -> CcFuture:
+        task = Task(req.option.timeout, req.what)
+        try:
+            self._executor.submit(self._execute, task, req)
+        except RuntimeError:  # executor shut down between the check and the submit
+            raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
+                               "this ContextCaching was closed by Ems.finalize") from None
+        return CcFuture(task)
+
+    def _execute(self, task: Task, req: _keys.Request) -> None:
+        if not task.start():
+            return
+        cleanup: list[Any] = []
+        try:
+            body = self._run_save if req.op == "save" else self._run_load
+            result = body(task, req, cleanup)
+        except Cancelled:
+            task.finish_cancelled()
+        except EmsException as exc:
+            task.finish(None, exc)
+        except Exception as exc:  # noqa: BLE001 - a worker never dies silently
+            logger.exception("ems: %s failed", req.what)
+            task.finish(None, EmsException(EmsErrorCode.EMS_INTERNAL_ERROR,
+                                           f"{req.what} failed: {type(exc).__name__}: {exc}"))
+        else:
+            task.finish(result, None)
+        finally:  # after the caller was answered: give back pins / reservations
+            for fn in cleanup:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    logger.exception("ems: cleanup after %s failed", req.what)
+
+    def _run_save(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
+        t = self._transport
+        slots = t.reserve(req.keys, req.sizes, task)
+        new = [i for i, s in enumerate(slots) if s.status is GrantStatus.NEW]
+        tokens = [slots[i].token for i in new]
+        try:
+            if new:
+                req.mover.to_pool(new, [(slots[i].segment, slots[i].offset) for i in new], task)
+            if not task.decide():
+                raise Cancelled
+        except BaseException:
+            if tokens:
+                cleanup.append(lambda: t.abort(tokens))
+            raise
+        committed = dict(zip(new, t.commit(tokens, task))) if tokens else {}
+        success = 0
+        for i, s in enumerate(slots):
+            if not (s.stored or committed.get(i, False)):
+                break
+            success += 1
+        return CcResult(success, len(req.keys))
+
+    def _run_load(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
+        t = self._transport
+        pins = t.acquire(req.keys, req.sizes, task)
+        if pins:
+            tokens = [p.token for p in pins]
+            cleanup.append(lambda: t.release(tokens))
+            req.mover.from_pool(range(len(pins)), [(p.segment, p.offset) for p in pins], task)
+        if not task.decide():
+            raise Cancelled
+        return CcResult(len(pins), len(req.keys))
+
+
+#: The name real V1 clients use in type hints.
+ContextCache_v1 = ContextCaching

@@ -1,0 +1,90 @@
+"""The embedded pool: the pool core in this process, over an anonymous memory map.
+
+A fresh install works with nothing started. The pool lives as long as the
+``Ems.init`` that created it (``Ems.finalize`` drops it); it is shared by every
+ContextCaching call of the process, and by nothing outside it: use ``ems-server``
+to share a pool between processes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from typing import Optional, Sequence
+
+from ems.client.segment import Segment
+from ems.client.transport import Slot, Transport
+from ems.errors import EmsErrorCode, EmsException
+from ems.futures import Task
+from ems.pool.core import GrantStatus, Pool, PoolStatistics
+
+__all__ = ["EmbeddedTransport"]
+
+
+class EmbeddedTransport(Transport):
+    kind = "embedded"
+
+    def __init__(self, capacity_bytes: int, namespace: str = "") -> None:
+        # MAP_NORESERVE: pages are only taken when written.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        self._mm = mmap.mmap(-1, capacity_bytes, flags=flags)
+        self.segment = Segment(0, self._mm)
+        self.pool = Pool(capacity_bytes)
+        self._ns = namespace
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _check(self) -> None:
+        if self._closed:
+            raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
+                               "the embedded pool was finalized")
+
+    def _key(self, key: str) -> str:
+        return self._ns + key
+
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+        with self._lock:
+            self._check()
+            grants = self.pool.reserve([self._key(k) for k in keys], sizes)
+        return [Slot(g.status, g.token, self.segment if g.status is GrantStatus.NEW else None,
+                     g.offset, g.size) for g in grants]
+
+    def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
+        with self._lock:
+            self._check()
+            return self.pool.commit(tokens)
+
+    def abort(self, tokens: Sequence[int]) -> None:
+        with self._lock:
+            if not self._closed:
+                self.pool.abort(tokens)
+
+    def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+        with self._lock:
+            self._check()
+            pins = self.pool.acquire([self._key(k) for k in keys], sizes)
+        return [Slot(GrantStatus.EXISTS, p.token, self.segment, p.offset, p.size) for p in pins]
+
+    def release(self, tokens: Sequence[int]) -> None:
+        with self._lock:
+            if not self._closed:
+                self.pool.release(tokens)
+
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+        with self._lock:
+            self._check()
+            return self.pool.exists([self._key(k) for k in keys], sizes)
+
+    def health(self) -> bool:
+        return not self._closed
+
+    def statistics(self) -> PoolStatistics:
+        with self._lock:
+            return self.pool.statistics()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.segment.close()

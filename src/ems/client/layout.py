@@ -1,0 +1,332 @@
+"""V1: the registered paged KV cache, and the vectorised mover between it and the pool.
+
+``register_kvcache(kv_caches, store_layer_group_desc=None)`` takes, per layer, any
+number of tensors (K and V; MLA ``[nope, pe]``; mixed dtypes), each 3-D or 4-D with
+dimension 0 the block index and dimension 1 the position in the block:
+``[num_blocks, block_size, ...]``. A token's slot is ``block * block_size + pos``.
+The trailing dimensions of one token must be contiguous; dims 0 and 1 may have any
+strides (slices of a larger cache work).
+
+Layer groups (``store_layer_group_desc``) exist for hybrid models whose layers have
+different cache layouts: a ``list[list[int]]`` of layer indices, every registered
+layer in exactly one group (default: one group of all layers). All tensors of a group
+share ``num_blocks`` and ``block_size``. In the chunk_descs semantics, chunk ``i`` of
+group ``g`` is the slots ``[start, start + length)`` of that group's tensors; in the
+slot_mapping semantics the same slots apply to every group.
+
+The pool object of block ``i`` is, for each group, for each layer of the group, for
+each of its tensors, the ``n`` token rows of that tensor (``n`` = the block's token
+count in that group), concatenated. Its key includes a fingerprint of the layout
+(group structure, block sizes, per-token shapes and dtypes; not ``num_blocks``), so a
+load never copies bytes saved under another layout, while a restarted instance with
+the same layout hits its old blocks.
+
+Copies are vectorised: per registered tensor and call, one gather (``index_select``)
+and one scatter (``index_put_`` / ``index_copy_``) — never a Python loop over blocks
+or tokens. Pool memory is viewed as overlapping rows (:meth:`Segment.window`) so
+that a row index is an element offset and one index op reaches objects anywhere in
+the pool. When every block of a group is a full, block-aligned run of slots (what
+engines send), whole blocks are moved as rows instead of single tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Optional, Sequence
+
+from ems.client.segment import Segment
+from ems.errors import invalid
+from ems.futures import Task
+
+__all__ = ["RegisteredLayout", "V1Mover"]
+
+
+@dataclasses.dataclass
+class _TensorInfo:
+    group: int
+    layer: int
+    t3: Any  # [num_blocks, block_size, E] in the layout's unit dtype
+    rows: Any  # [num_blocks * block_size, E] view, or None when dims 0/1 don't merge
+    blocks: Any  # [num_blocks, block_size * E] view, or None when a block isn't contiguous
+    token_bytes: int
+    width: int  # E: units per token
+
+
+@dataclasses.dataclass
+class _Group:
+    layers: list[int]
+    num_blocks: int
+    block_size: int
+    tensors: list[int]  # indices into RegisteredLayout.tensors
+
+    @property
+    def slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def _units(torch: Any) -> list[tuple[int, Any]]:
+    return [(8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)]
+
+
+class RegisteredLayout:
+    """What ``register_kvcache`` registered: validated views of every cache tensor."""
+
+    def __init__(self, kv_caches: Any, store_layer_group_desc: Any = None) -> None:
+        import torch
+        self._torch = torch
+        if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
+            raise invalid("kv_caches must be a non-empty list (one entry per layer)")
+        layers: list[list[Any]] = []
+        for li, layer in enumerate(kv_caches):
+            if isinstance(layer, torch.Tensor) or not isinstance(layer, (list, tuple)) \
+                    or not layer:
+                raise invalid(f"kv_caches[{li}] must be a non-empty list of tensors")
+            for ti, t in enumerate(layer):
+                self._check_tensor(t, f"kv_caches[{li}][{ti}]")
+            layers.append(list(layer))
+        self.groups = self._groups(layers, store_layer_group_desc)
+        # One copy unit for the whole layout: the largest that divides every token
+        # row, every stride and every address (pool offsets are 64-byte aligned).
+        unit, self.dtype = 1, torch.uint8
+        for size, dtype in _units(torch):
+            if all(self._fits(t, size) for layer in layers for t in layer):
+                unit, self.dtype = size, dtype
+                break
+        self.unit = unit
+        self.tensors: list[_TensorInfo] = []
+        for gi, group in enumerate(self.groups):
+            for li in group.layers:
+                for t in layers[li]:
+                    group.tensors.append(len(self.tensors))
+                    self.tensors.append(self._info(t, gi, li))
+        desc = [(g.layers, g.block_size,
+                 [(str(layers[li][k].dtype), tuple(layers[li][k].shape[2:]))
+                  for li in g.layers for k in range(len(layers[li]))]) for g in self.groups]
+        self.fingerprint = hashlib.blake2b(repr(desc).encode(), digest_size=8).hexdigest()
+        self.devices = sorted({str(layers[li][0].device) for li in range(len(layers))})
+
+    # ------------------------------------------------------------ registration
+    def _check_tensor(self, t: Any, field: str) -> None:
+        torch = self._torch
+        if not isinstance(t, torch.Tensor):
+            raise invalid(f"{field} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise invalid(f"{field} must be 3-D or 4-D [num_blocks, block_size, ...], "
+                          f"got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            raise invalid(f"{field} must not be empty, got shape {tuple(t.shape)}")
+        shape, stride = t.shape, t.stride()
+        expect = 1
+        for d in range(t.dim() - 1, 1, -1):
+            if shape[d] != 1 and stride[d] != expect:
+                raise invalid(f"{field}: the per-token dims {tuple(shape[2:])} must be "
+                              f"contiguous, got strides {tuple(stride)}")
+            expect *= shape[d]
+
+    @staticmethod
+    def _fits(t: Any, unit: int) -> bool:
+        es = t.element_size()
+        tb = es * int(t[0, 0].numel())
+        return (tb % unit == 0 and t.data_ptr() % unit == 0
+                and all((s * es) % unit == 0 for s in t.stride()[:2]))
+
+    def _groups(self, layers: list[list[Any]], desc: Any) -> list[_Group]:
+        n = len(layers)
+        if desc is None:
+            desc = [list(range(n))]
+        if not isinstance(desc, (list, tuple)) or not desc:
+            raise invalid("store_layer_group_desc must be a non-empty list of layer-index "
+                          "lists, e.g. [[0, 1, 2], [3]]")
+        seen: set[int] = set()
+        groups = []
+        for gi, members in enumerate(desc):
+            field = f"store_layer_group_desc[{gi}]"
+            if not isinstance(members, (list, tuple)) or not members:
+                raise invalid(f"{field} must be a non-empty list of layer indices")
+            for li in members:
+                if isinstance(li, bool) or not isinstance(li, int) or not 0 <= li < n:
+                    raise invalid(f"{field} holds {li!r}: layer indices must be ints in "
+                                  f"[0, {n})")
+                if li in seen:
+                    raise invalid(f"{field}: layer {li} is in more than one group")
+                seen.add(li)
+            first = layers[members[0]][0]
+            nb, bs = int(first.shape[0]), int(first.shape[1])
+            for li in members:
+                for ti, t in enumerate(layers[li]):
+                    if (int(t.shape[0]), int(t.shape[1])) != (nb, bs):
+                        raise invalid(
+                            f"kv_caches[{li}][{ti}] has [num_blocks, block_size] = "
+                            f"{list(t.shape[:2])}, but its group {gi} uses {[nb, bs]}: "
+                            f"tensors of one layer group must share them")
+                    if t.device != first.device:
+                        raise invalid(f"kv_caches[{li}][{ti}] is on {t.device}, but its "
+                                      f"group {gi} is on {first.device}")
+            groups.append(_Group(list(members), nb, bs, []))
+        if len(seen) != n:
+            missing = sorted(set(range(n)) - seen)
+            raise invalid(f"store_layer_group_desc must place every layer in a group; "
+                          f"missing {missing}")
+        return groups
+
+    def _info(self, t: Any, gi: int, li: int) -> _TensorInfo:
+        nb, bs = int(t.shape[0]), int(t.shape[1])
+        elems = int(t[0, 0].numel())
+        s0, s1 = t.stride()[:2]
+        t3 = t.as_strided((nb, bs, elems), (s0, s1, 1)).view(self._torch.uint8)
+        t3 = t3.view(self.dtype)
+        width = int(t3.shape[2])
+        u0, u1 = t3.stride()[:2]
+        rows = t3.as_strided((nb * bs, width), (u1, 1)) if u0 == bs * u1 else None
+        blocks = t3.as_strided((nb, bs * width), (u0, 1)) if u1 == width else None
+        return _TensorInfo(gi, li, t3, rows, blocks, elems * t.element_size(), width)
+
+    # ------------------------------------------------------------ planning
+    def plan_slots(self, slots: list[int], offsets: list[int]) -> "V1Mover":
+        torch = self._torch
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        counts = torch.tensor(offsets, dtype=torch.int64)
+        lo, hi = int(slot_t.min()), int(slot_t.max())
+        cap = min(g.slots for g in self.groups)
+        if lo < 0 or hi >= cap:
+            bad = lo if lo < 0 else hi
+            raise invalid(f"slot_mapping holds slot {bad}: slots must be in [0, {cap}) "
+                          f"(num_blocks * block_size of the registered cache)")
+        return V1Mover(self, [(slot_t, counts)] * len(self.groups))
+
+    def plan_chunks(self, chunk_descs: list[list[tuple[int, int]]]) -> "V1Mover":
+        torch = self._torch
+        per_group = []
+        for gi, (group, chunks) in enumerate(zip(self.groups, chunk_descs)):
+            desc = torch.tensor(chunks, dtype=torch.int64)
+            starts, lengths = desc[:, 0], desc[:, 1]
+            ends = starts + lengths
+            if int(ends.max()) > group.slots:
+                i = int(torch.argmax((ends > group.slots).to(torch.int8)))
+                raise invalid(f"chunk_descs[{gi}][{i}] = {tuple(chunks[i])} ends past slot "
+                              f"{group.slots} (num_blocks * block_size of group {gi})")
+            first = torch.repeat_interleave(starts, lengths)
+            pos = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+                torch.cumsum(lengths, 0) - lengths, lengths)
+            per_group.append((first + pos, lengths))
+        return V1Mover(self, per_group)
+
+
+class _Tokens:
+    """The tokens of one group in one request, and the fast-path block ids."""
+
+    def __init__(self, torch: Any, slots: Any, counts: Any, block_size: int) -> None:
+        n_obj = counts.numel()
+        self.slots = slots
+        self.counts = counts
+        self.obj = torch.repeat_interleave(torch.arange(n_obj), counts)
+        self.pos = torch.arange(slots.numel()) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        self.block_ids = None
+        if bool((counts == block_size).all()):
+            grid = slots.view(n_obj, block_size)
+            first = grid[:, 0]
+            if bool((first % block_size == 0).all()) and bool(
+                    (grid == first[:, None] + torch.arange(block_size)).all()):
+                self.block_ids = first // block_size
+
+
+class V1Mover:
+    """Moves the blocks of one V1 request (see the module docstring for the layout)."""
+
+    def __init__(self, layout: RegisteredLayout, per_group: Sequence[tuple[Any, Any]]) -> None:
+        torch = layout._torch
+        self.layout = layout
+        self._torch = torch
+        cache: dict[int, _Tokens] = {}
+        self.tokens: list[_Tokens] = []
+        for group, (slots, counts) in zip(layout.groups, per_group):
+            key = id(slots)
+            if key not in cache:  # slot_mapping: every group shares one token list
+                cache[key] = _Tokens(torch, slots, counts, group.block_size)
+            self.tokens.append(cache[key])
+        # Byte offset of tensor t's rows inside object i: exclusive cumsum over tensors.
+        sizes = torch.stack([self.tokens[t.group].counts * t.token_bytes
+                             for t in layout.tensors], dim=1)
+        self.base = torch.cumsum(sizes, dim=1) - sizes
+        self.sizes = [int(s) for s in sizes.sum(dim=1).tolist()]
+
+    # ------------------------------------------------------------ copies
+    def to_pool(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]],
+                task: Task) -> None:
+        self._move(items, locs, task, save=True)
+
+    def from_pool(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]],
+                  task: Task) -> None:
+        self._move(items, locs, task, save=False)
+
+    def _move(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]], task: Task,
+              save: bool) -> None:
+        torch = self._torch
+        by_segment: dict[int, tuple[Segment, list[int], list[int]]] = {}
+        for i, (seg, off) in zip(items, locs):
+            entry = by_segment.setdefault(seg.id, (seg, [], []))
+            entry[1].append(i)
+            entry[2].append(off)
+        n_obj = len(self.sizes)
+        synced = set()
+        for seg, objs, offs in by_segment.values():
+            obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
+            obj_t = torch.tensor(objs, dtype=torch.int64)
+            obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
+            everything = len(objs) == n_obj
+            selected: dict[int, tuple[Any, Any, Any, Any]] = {}
+            for ti, info in enumerate(self.layout.tensors):
+                task.checkpoint()
+                tok = self.tokens[info.group]
+                sel = selected.get(id(tok))
+                if sel is None:
+                    sel = self._select(tok, obj_off, obj_t, everything)
+                    selected[id(tok)] = sel
+                slots, tobj, pos, blk_objs = sel
+                unit = self.layout.unit
+                if tok.block_ids is not None and info.blocks is not None:
+                    dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
+                    width = info.blocks.shape[1]
+                    window = seg.window(self.layout.dtype, width)
+                    index = tok.block_ids[blk_objs]
+                    self._copy_rows(info.blocks, index, window, dest, save)
+                else:
+                    dest = (obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes) // unit
+                    window = seg.window(self.layout.dtype, info.width)
+                    self._copy_tokens(info, slots, window, dest, save)
+                if info.t3.device.type == "cuda" and not save:
+                    synced.add(info.t3.device)
+        for device in synced:  # every byte is in the caller's cache before we return
+            torch.cuda.synchronize(device)
+
+    def _select(self, tok: _Tokens, obj_off: Any, obj_t: Any, everything: bool
+                ) -> tuple[Any, Any, Any, Any]:
+        if everything:
+            return tok.slots, tok.obj, tok.pos, self._torch.arange(obj_off.numel())
+        keep = obj_off[tok.obj] >= 0
+        return tok.slots[keep], tok.obj[keep], tok.pos[keep], obj_t
+
+    @staticmethod
+    def _copy_rows(cache_rows: Any, index: Any, window: Any, dest: Any, save: bool) -> None:
+        device = cache_rows.device
+        if save:
+            rows = cache_rows.index_select(0, index.to(device))
+            window.index_put_((dest,), rows.to(window.device))
+        else:
+            rows = window.index_select(0, dest).to(device)
+            cache_rows.index_copy_(0, index.to(device), rows)
+
+    def _copy_tokens(self, info: _TensorInfo, slots: Any, window: Any, dest: Any,
+                     save: bool) -> None:
+        if info.rows is not None:
+            self._copy_rows(info.rows, slots, window, dest, save)
+            return
+        device = info.t3.device
+        bs = info.t3.shape[1]
+        b, p = (slots // bs).to(device), (slots % bs).to(device)
+        if save:
+            window.index_put_((dest,), info.t3[b, p].to(window.device))
+        else:
+            info.t3.index_put_((b, p), window.index_select(0, dest).to(device))

@@ -1,0 +1,1 @@
+"""Compatibility namespace: ``ems.common.exception`` as real clients import it."""

@@ -1,0 +1,278 @@
+"""Configuration objects of the SDK and the pool settings read from the environment.
+
+The config classes keep the seeds' names and constructor keywords (``CcConfig``,
+``CcConfig_v1``, ``CcKvOption``, ``EmsConfig``). They are plain attribute holders,
+because real clients set attributes after construction
+(``cc_config_v1.kvcache_type = KVCacheType.MLA``); the rules of the spec are
+checked, all at once, by :func:`validate_ems_config` inside ``Ems.init`` and by
+:func:`validate_option` on every call. Each rule names the field it checks.
+
+This is the only module that reads ``EMS_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from typing import Any, Optional
+
+from ems.errors import invalid
+
+__all__ = [
+    "CcConfig",
+    "CcConfig_v1",
+    "CcKvOption",
+    "EmsConfig",
+    "KVCacheType",
+    "PoolSettings",
+    "parse_bytes",
+    "validate_ems_config",
+    "validate_option",
+]
+
+_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
+_KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
+
+
+class KVCacheType(str, enum.Enum):
+    """Attention KV layout of the model; MLA keys do not depend on the TP rank."""
+
+    GQA = "GQA"
+    MHA = "MHA"
+    MLA = "MLA"
+    MQA = "MQA"
+
+
+class CcKvOption:
+    """Per-request options.
+
+    * ``write_rcache`` (default True): also keep the write in the local node's read
+      cache. With a single-host pool every write is local, so it has no effect.
+    * ``read_local_only`` (default False): reads never go to other nodes. With a
+      single-host pool every read is local, so it has no effect.
+    * ``timeout`` (ms, default 5000, >= 0): the request's deadline, counted from
+      submission. ``0`` means *no deadline*: the request runs to completion (it still
+      fails with ``EMS_IO_ERROR`` if the pool is lost).
+    """
+
+    def __init__(self, write_rcache: bool = True, read_local_only: bool = False,
+                 timeout: int = 5000) -> None:
+        self.write_rcache = write_rcache
+        self.read_local_only = read_local_only
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return (f"CcKvOption(write_rcache={self.write_rcache}, "
+                f"read_local_only={self.read_local_only}, timeout={self.timeout})")
+
+
+class CcConfig:
+    """V0 context-caching config (``rank_id``, ``device_id``, ``model_id`` required)."""
+
+    def __init__(self, rank_id: int, device_id: int, model_id: str,
+                 tp_world_size: int = 1, pp_world_size: int = 1) -> None:
+        self.rank_id = rank_id
+        self.device_id = device_id
+        self.model_id = model_id
+        self.tp_world_size = tp_world_size
+        self.pp_world_size = pp_world_size
+
+    def _fields(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class CcConfig_v1(CcConfig):  # noqa: N801 - the seeds' name
+    """V1 config: the parallel position of this rank and the engine name.
+
+    ``kvcache_type`` is an attribute (default ``KVCacheType.MHA``); set it to
+    ``KVCacheType.MLA`` for MLA models, whose TP ranks hold identical KV.
+    """
+
+    def __init__(self, rank_id: int, device_id: int, model_id: str,
+                 tp_world_size: int = 1, pp_world_size: int = 1,
+                 rank_in_tp_group: int = 0, rank_in_pp_group: int = 0,
+                 llm_engine: str = "default",
+                 kvcache_type: KVCacheType = KVCacheType.MHA) -> None:
+        super().__init__(rank_id, device_id, model_id, tp_world_size, pp_world_size)
+        self.rank_in_tp_group = rank_in_tp_group
+        self.rank_in_pp_group = rank_in_pp_group
+        self.llm_engine = llm_engine
+        self.kvcache_type = kvcache_type
+
+
+class EmsConfig:
+    """Top-level config of :meth:`Ems.init`."""
+
+    def __init__(self, access_id: Optional[str] = None, access_key: Optional[str] = None,
+                 cc_config: Optional[CcConfig] = None,
+                 cc_config_v1: Optional[CcConfig_v1] = None) -> None:
+        self.access_id = access_id
+        self.access_key = access_key
+        self.cc_config = cc_config
+        self.cc_config_v1 = cc_config_v1
+
+    def __repr__(self) -> str:  # never print the secret
+        key = None if self.access_key is None else "***"
+        return (f"EmsConfig(access_id={self.access_id!r}, access_key={key}, "
+                f"cc_config={self.cc_config!r}, cc_config_v1={self.cc_config_v1!r})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmsConfig) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------- rules
+
+def _int(value: Any, field: str, minimum: int, maximum: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{field} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise invalid(f"{field} must be >= {minimum}, got {value}")
+    if maximum is not None and value >= maximum:
+        raise invalid(f"{field} must be < {maximum}, got {value}")
+
+
+def _bool(value: Any, field: str) -> None:
+    if not isinstance(value, bool):
+        raise invalid(f"{field} must be a bool, got {type(value).__name__}")
+
+
+def _ident(value: Any, field: str) -> None:
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise invalid(f"{field} must be 1-512 characters of 0-9 a-z . - _, got {value!r}")
+
+
+def validate_option(option: Any, *, required: bool) -> "CcKvOption":
+    """Check a :class:`CcKvOption`; ``None`` is the default option unless required."""
+    if option is None:
+        if required:
+            raise invalid("option must not be None (V0 calls need a CcKvOption)")
+        return CcKvOption()
+    if not isinstance(option, CcKvOption):
+        raise invalid(f"option must be a CcKvOption, got {type(option).__name__}")
+    _bool(option.write_rcache, "option.write_rcache")
+    _bool(option.read_local_only, "option.read_local_only")
+    _int(option.timeout, "option.timeout", 0)
+    return option
+
+
+def _validate_cc(cc: Any, name: str, v1: bool) -> None:
+    cls = CcConfig_v1 if v1 else CcConfig
+    if not isinstance(cc, cls):
+        raise invalid(f"{name} must be a {cls.__name__}, got {type(cc).__name__}")
+    _int(cc.rank_id, f"{name}.rank_id", 0)
+    _int(cc.device_id, f"{name}.device_id", 0)
+    _ident(cc.model_id, f"{name}.model_id")
+    _int(cc.tp_world_size, f"{name}.tp_world_size", 1)
+    _int(cc.pp_world_size, f"{name}.pp_world_size", 1)
+    if v1:
+        _int(cc.rank_in_tp_group, f"{name}.rank_in_tp_group", 0, cc.tp_world_size)
+        _int(cc.rank_in_pp_group, f"{name}.rank_in_pp_group", 0, cc.pp_world_size)
+        engine = cc.llm_engine
+        if not isinstance(engine, str) or not 1 <= len(engine) <= 512 or not engine.isprintable():
+            raise invalid(f"{name}.llm_engine must be 1-512 printable characters, got {engine!r}")
+        try:
+            cc.kvcache_type = KVCacheType(cc.kvcache_type)
+        except ValueError:
+            kinds = ", ".join(k.value for k in KVCacheType)
+            raise invalid(f"{name}.kvcache_type must be one of {kinds}, "
+                          f"got {cc.kvcache_type!r}") from None
+
+
+def validate_ems_config(config: Any) -> None:
+    """Apply every rule of the spec to an :class:`EmsConfig`; raise on the first break."""
+    if not isinstance(config, EmsConfig):
+        raise invalid(f"config must be an EmsConfig, got {type(config).__name__}")
+    if (config.access_id is None) != (config.access_key is None):
+        raise invalid("access_id and access_key must be given together (or both None)")
+    if config.access_id is not None:
+        _ident(config.access_id, "access_id")
+        if not isinstance(config.access_key, str) or not _KEY_RE.fullmatch(config.access_key):
+            raise invalid("access_key must be 32-256 characters of 0-9 A-Z a-z + / =")
+    if config.cc_config is not None:
+        _validate_cc(config.cc_config, "cc_config", v1=False)
+    if config.cc_config_v1 is not None:
+        _validate_cc(config.cc_config_v1, "cc_config_v1", v1=True)
+
+
+# --------------------------------------------------------------------------- pool
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str | int, field: str = "size") -> int:
+    """``"512M"``, ``"4g"``, ``"1048576"``, ``1048576`` -> bytes (binary units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+        if not m:
+            raise invalid(f"{field} must be a byte count like 4096, 512M or 4G, got {text!r}")
+        value = int(m.group(1)) * _SUFFIX[m.group(2)]
+    if value <= 0:
+        raise invalid(f"{field} must be > 0, got {text!r}")
+    return value
+
+
+def _default_capacity() -> int:
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        phys = 8 << 30
+    return min(4 << 30, phys // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSettings:
+    """Where the SDK finds its pool, from the environment.
+
+    * ``EMS_POOL``: ``embedded`` | ``server`` | ``auto`` (default ``auto``: the daemon
+      when its socket exists in ``EMS_SOCKET_DIR``, else the embedded pool).
+    * ``EMS_SOCKET_DIR``: directory of the daemon's socket (default ``/dev/shm/ems``).
+    * ``EMS_CAPACITY``: embedded pool size, bytes or ``512M``/``4G`` (default: the
+      smaller of 4 GiB and a quarter of physical memory; pages are only used when
+      written).
+    * ``EMS_CONNECT_TIMEOUT_MS``: bound on reaching the daemon in ``Ems.init``
+      (default 3000).
+    * ``EMS_WORKERS``: threads that run requests of one ContextCaching (default 4).
+    """
+
+    mode: str = "auto"
+    socket_dir: str = "/dev/shm/ems"
+    capacity_bytes: int = dataclasses.field(default_factory=_default_capacity)
+    connect_timeout_ms: int = 3000
+    workers: int = 4
+
+    @classmethod
+    def from_env(cls, env: Optional[dict[str, str]] = None) -> "PoolSettings":
+        env = os.environ if env is None else env
+        mode = env.get("EMS_POOL", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "embedded", "server"):
+            raise invalid(f"EMS_POOL must be embedded, server or auto, got {mode!r}")
+        kwargs: dict[str, Any] = {"mode": mode}
+        if env.get("EMS_SOCKET_DIR"):
+            kwargs["socket_dir"] = env["EMS_SOCKET_DIR"]
+        if env.get("EMS_CAPACITY"):
+            kwargs["capacity_bytes"] = parse_bytes(env["EMS_CAPACITY"], "EMS_CAPACITY")
+        for var, field in (("EMS_CONNECT_TIMEOUT_MS", "connect_timeout_ms"),
+                           ("EMS_WORKERS", "workers")):
+            if env.get(var):
+                try:
+                    kwargs[field] = int(env[var])
+                except ValueError:
+                    raise invalid(f"{var} must be an int, got {env[var]!r}") from None
+                if kwargs[field] <= 0:
+                    raise invalid(f"{var} must be > 0, got {env[var]!r}")
+        return cls(**kwargs)

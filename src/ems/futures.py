@@ -1,0 +1,183 @@
+"""CcResult and CcFuture: the results of requests, and the machinery that runs them.
+
+A request runs on a worker thread of its ContextCaching. Its deadline
+(``CcKvOption.timeout``) is enforced at *checkpoints* between copy steps: the worker
+stops there, and a caller that gives up waiting first marks the request cancelled and
+then waits for the worker to reach its next checkpoint. So when ``result()`` raises
+``EMS_IO_TIMEOUT``, no byte will be written into the caller's buffers afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ems.errors import EmsErrorCode, EmsException
+
+__all__ = ["CcFuture", "CcResult", "Task"]
+
+
+class CcResult:
+    """``success``: keys from the start of the batch that succeeded consecutively;
+    ``total``: keys in the request."""
+
+    __slots__ = ("success", "total")
+
+    def __init__(self, success: int, total: int) -> None:
+        self.success = success
+        self.total = total
+
+    def __repr__(self) -> str:
+        return f"CcResult(success={self.success}, total={self.total})"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, CcResult) and self.success == other.success
+                and self.total == other.total)
+
+    def __hash__(self) -> int:
+        return hash((self.success, self.total))
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Cancelled(Exception):
+    """Raised at a checkpoint when the request must stop (deadline or caller gave up)."""
+
+
+class Task:
+    """One request: its deadline, its cancellation flag and its outcome."""
+
+    def __init__(self, timeout_ms: int, what: str) -> None:
+        self.what = what
+        self.timeout_ms = timeout_ms
+        self.deadline: Optional[float] = (
+            time.monotonic() + timeout_ms / 1000.0 if timeout_ms > 0 else None)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._state = _State.QUEUED
+        self._cancelled = False
+        self._result: Optional[CcResult] = None
+        self._error: Optional[EmsException] = None
+
+    # ----------------------------------------------------------- worker side
+    def start(self) -> bool:
+        """Worker picks the task up; False if it was cancelled while queued."""
+        with self._lock:
+            if self._state is not _State.QUEUED:
+                return False
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._finish_locked(None, self._timeout_error())
+                return False
+            self._state = _State.RUNNING
+            return True
+
+    def checkpoint(self) -> None:
+        """Between copy steps: raise :class:`Cancelled` past the deadline or on cancel."""
+        if self._cancelled or (self.deadline is not None and time.monotonic() >= self.deadline):
+            self._cancelled = True
+            raise Cancelled
+
+    def remaining_s(self) -> Optional[float]:
+        """Seconds left before the deadline (None: no deadline)."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
+
+    def decide(self) -> bool:
+        """Last checkpoint before a result is published: True to publish, False if
+        the request was cancelled (the caller then sees a timeout)."""
+        with self._lock:
+            if self._cancelled:
+                return False
+            self._state = _State.DONE  # from now on a waiter just waits
+            return True
+
+    def finish(self, result: Optional[CcResult], error: Optional[EmsException]) -> None:
+        with self._lock:
+            if self._cancelled and error is None:
+                result, error = None, self._timeout_error()
+            self._finish_locked(result, error)
+
+    def finish_cancelled(self) -> None:
+        self.finish(None, self._timeout_error())
+
+    def _finish_locked(self, result: Optional[CcResult], error: Optional[EmsException]) -> None:
+        if self._done.is_set():
+            return
+        self._state = _State.DONE
+        self._result, self._error = result, error
+        self._done.set()
+
+    def _timeout_error(self) -> EmsException:
+        return EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
+                            f"{self.what} did not finish within timeout={self.timeout_ms} ms")
+
+    # ----------------------------------------------------------- caller side
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> CcResult:
+        remaining = self.remaining_s()
+        if not self._done.wait(remaining):
+            with self._lock:
+                if self._state is _State.QUEUED:
+                    self._finish_locked(None, self._timeout_error())
+                elif self._state is _State.RUNNING:
+                    self._cancelled = True
+            # The worker stops at its next checkpoint (or is publishing already).
+            self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class CcFuture:
+    """Handle of an asynchronous request (``async_save`` / ``async_load``)."""
+
+    def __init__(self, task: Task) -> None:
+        self._task = task
+
+    def result(self) -> CcResult:
+        """Block until the request is done; raise :class:`EmsException` if it failed
+        as a whole (timeout, pool lost, ...)."""
+        return self._task.wait()
+
+    def done(self) -> bool:
+        """True once ``result()`` would not block (finished, or past its deadline)."""
+        task = self._task
+        if task.done():
+            return True
+        remaining = task.remaining_s()
+        return remaining is not None and remaining <= 0.0
+
+    def __repr__(self) -> str:
+        state = "done" if self._task.done() else "pending"
+        return f"<CcFuture {self._task.what} {state}>"
+
+
+def run_task(task: Task, body: Callable[[Task], CcResult], on_error: Callable[[BaseException], Any]
+             ) -> None:
+    """Run ``body`` for ``task`` on a worker thread, translating failures."""
+    if not task.start():
+        return
+    try:
+        result = body(task)
+    except Cancelled:
+        task.finish_cancelled()
+    except EmsException as exc:
+        task.finish(None, exc)
+    except BaseException as exc:  # noqa: BLE001 - a worker must never die silently
+        on_error(exc)
+        task.finish(None, EmsException(EmsErrorCode.EMS_INTERNAL_ERROR,
+                                       f"{task.what} failed: {type(exc).__name__}: {exc}"))
+    else:
+        task.finish(result, None)

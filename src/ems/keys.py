@@ -1,0 +1,245 @@
+"""Request normalisation: V0 key lists and V1 slot_mapping / chunk_descs arguments are
+validated here, once, and turned into one internal :class:`Request`.
+
+Nothing downstream branches on V0 versus V1: a request is a list of storage keys, the
+byte size of each key's value, and a *mover* that copies item ``i`` between the
+caller's memory and pool memory (``ems.client.movers``).
+
+Every bad input raises ``EMS_INVALID_ARGUMENT`` naming the field and the rule, before
+anything is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+from ems.config import CcKvOption
+from ems.errors import invalid
+
+__all__ = [
+    "KvBufferWrapper",
+    "PrimaryKey",
+    "Request",
+    "MAX_KEY_LEN",
+    "v0_storage_keys",
+    "validate_buffers",
+    "validate_hashes",
+    "validate_slot_request",
+    "validate_chunk_descs",
+]
+
+MAX_KEY_LEN = 128  # a key (each part of a PrimaryKey) must be shorter than this
+_I64_MIN, _U64_END = -(1 << 63), 1 << 64
+
+
+class PrimaryKey:
+    """A V0 key: ``distribute_key`` picks the home node, ``attribute_key`` names the
+    value under it. A plain ``str`` key acts as its own distribute key."""
+
+    __slots__ = ("distribute_key", "attribute_key")
+
+    def __init__(self, distribute_key: str, attribute_key: str) -> None:
+        self.distribute_key = distribute_key
+        self.attribute_key = attribute_key
+
+    def __repr__(self) -> str:
+        return f"PrimaryKey({self.distribute_key!r}, {self.attribute_key!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, PrimaryKey) and self.distribute_key == other.distribute_key
+                and self.attribute_key == other.attribute_key)
+
+    def __hash__(self) -> int:
+        return hash((self.distribute_key, self.attribute_key))
+
+
+class KvBufferWrapper:
+    """A contiguous memory region: ``data_ptr`` (address) and ``length`` (bytes), both > 0.
+
+    ``data_ptr`` may also be a zero-argument callable returning the address, such as
+    a tensor's bound ``data_ptr`` method: the seeds' own samples pass
+    ``KvBufferWrapper(tensor.data_ptr, n)`` without the call parentheses.
+    """
+
+    __slots__ = ("data_ptr", "length")
+
+    def __init__(self, data_ptr: Union[int, Any], length: int) -> None:
+        self.data_ptr = data_ptr
+        self.length = length
+
+    def __repr__(self) -> str:
+        ptr = self.data_ptr
+        shown = hex(ptr) if isinstance(ptr, int) else repr(ptr)
+        return f"KvBufferWrapper(data_ptr={shown}, length={self.length})"
+
+
+@dataclasses.dataclass
+class Request:
+    """One normalised request: what every transport and the executor work with."""
+
+    op: str  # "save" or "load"
+    keys: list[str]
+    sizes: list[int]
+    mover: Any  # ems.client.movers.Mover
+    option: CcKvOption
+
+    @property
+    def what(self) -> str:
+        return f"{self.op} of {len(self.keys)} key(s)"
+
+
+# --------------------------------------------------------------------------- V0
+
+def _key_part(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{field} must be a str, got {type(value).__name__}")
+    if not 0 < len(value) < MAX_KEY_LEN:
+        raise invalid(f"{field} length must be 1..{MAX_KEY_LEN - 1}, got {len(value)}")
+    return value
+
+
+def v0_storage_keys(key_list: Any) -> list[str]:
+    """Validate a V0 key list and return the storage key of each key."""
+    if not isinstance(key_list, (list, tuple)):
+        raise invalid(f"key_list must be a list, got {type(key_list).__name__}")
+    if not key_list:
+        raise invalid("key_list must not be empty")
+    out = []
+    for i, key in enumerate(key_list):
+        if isinstance(key, PrimaryKey):
+            d = _key_part(key.distribute_key, f"key_list[{i}].distribute_key")
+            a = _key_part(key.attribute_key, f"key_list[{i}].attribute_key")
+            out.append(f"v0:p:{len(d)}:{d}{a}")
+        elif isinstance(key, str):
+            out.append(f"v0:s:{_key_part(key, f'key_list[{i}]')}")
+        else:
+            raise invalid(f"key_list[{i}] must be a str or PrimaryKey, got {type(key).__name__}")
+    if len(set(out)) != len(out):
+        seen: set[str] = set()
+        for i, k in enumerate(out):
+            if k in seen:
+                raise invalid(f"key_list must hold unique keys: key_list[{i}] repeats "
+                              f"{key_list[i]!r}")
+            seen.add(k)
+    return out
+
+
+def validate_buffers(value_list: Any, n_keys: int) -> list[list[tuple[int, int]]]:
+    """Validate ``value_list`` and return, per key, its ``(address, length)`` list."""
+    if not isinstance(value_list, (list, tuple)):
+        raise invalid(f"value_list must be a list, got {type(value_list).__name__}")
+    if len(value_list) != n_keys:
+        raise invalid(f"value_list must have one entry per key: len(value_list)="
+                      f"{len(value_list)} != len(key_list)={n_keys}")
+    out = []
+    for i, buffers in enumerate(value_list):
+        if not isinstance(buffers, (list, tuple)) or not buffers:
+            raise invalid(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
+        regions = []
+        for j, buf in enumerate(buffers):
+            field = f"value_list[{i}][{j}]"
+            if not isinstance(buf, KvBufferWrapper):
+                raise invalid(f"{field} must be a KvBufferWrapper, got {type(buf).__name__}")
+            ptr = buf.data_ptr() if callable(buf.data_ptr) else buf.data_ptr
+            if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
+                raise invalid(f"{field}.data_ptr must be an int > 0, got {ptr!r}")
+            length = buf.length
+            if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+                raise invalid(f"{field}.length must be an int > 0, got {length!r}")
+            regions.append((ptr, length))
+        out.append(regions)
+    return out
+
+
+# --------------------------------------------------------------------------- V1
+
+def _int_list(values: Any, field: str, *, allow_empty: bool = False) -> list[int]:
+    """Accept a list/tuple (or anything with ``tolist``, e.g. a tensor) of ints."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise invalid(f"{field} must be a list of ints, got {type(values).__name__}")
+    if not values and not allow_empty:
+        raise invalid(f"{field} must not be empty")
+    try:
+        out = [operator.index(v) for v in values]
+    except TypeError:
+        bad = next(v for v in values if not hasattr(v, "__index__"))
+        raise invalid(f"{field} must hold only ints, got {type(bad).__name__}") from None
+    if any(isinstance(v, bool) for v in values):
+        raise invalid(f"{field} must hold only ints, got bool")
+    return out
+
+
+def validate_hashes(hashes: Any) -> list[int]:
+    """Block hashes: a non-empty list of unique 64-bit ints (signed or unsigned form;
+    both forms of the same bits name the same block). Returned in signed form."""
+    values = _int_list(hashes, "hashes")
+    out = []
+    for i, h in enumerate(values):
+        if not _I64_MIN <= h < _U64_END:
+            raise invalid(f"hashes[{i}] must fit in 64 bits, got {h}")
+        out.append(h - _U64_END if h >= 1 << 63 else h)
+    if len(set(out)) != len(out):
+        raise invalid("hashes must be unique within one call")
+    return out
+
+
+def validate_slot_request(slot_mapping: Any, hashes: Any, offsets: Any
+                          ) -> tuple[list[int], list[int], list[int]]:
+    """The slot_mapping semantics: ``hashes[i]`` owns the next ``offsets[i]`` slots."""
+    hs = validate_hashes(hashes)
+    offs = _int_list(offsets, "offsets")
+    if len(offs) != len(hs):
+        raise invalid(f"len(offsets)={len(offs)} must equal len(hashes)={len(hs)}")
+    for i, n in enumerate(offs):
+        if n <= 0:
+            raise invalid(f"offsets[{i}] must be > 0, got {n}")
+    slots = _int_list(slot_mapping, "slot_mapping")
+    if sum(offs) != len(slots):
+        raise invalid(f"sum(offsets)={sum(offs)} must equal len(slot_mapping)={len(slots)}")
+    return slots, hs, offs
+
+
+def validate_chunk_descs(chunk_descs: Any, hashes: Any, n_groups: int
+                         ) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """The chunk_descs semantics: per layer group, one ``(start_slot, length)`` per hash."""
+    hs = validate_hashes(hashes)
+    if not isinstance(chunk_descs, (list, tuple)):
+        raise invalid(f"chunk_descs must be a list of lists, got {type(chunk_descs).__name__}")
+    if len(chunk_descs) != n_groups:
+        raise invalid(f"len(chunk_descs)={len(chunk_descs)} must equal the number of "
+                      f"registered layer groups ({n_groups})")
+    out = []
+    for g, group in enumerate(chunk_descs):
+        if not isinstance(group, (list, tuple)) or len(group) != len(hs):
+            got = len(group) if isinstance(group, (list, tuple)) else type(group).__name__
+            raise invalid(f"len(chunk_descs[{g}]) must equal len(hashes)={len(hs)}, got {got}")
+        chunks = []
+        for i, desc in enumerate(group):
+            field = f"chunk_descs[{g}][{i}]"
+            if not isinstance(desc, (list, tuple)) or len(desc) != 2:
+                raise invalid(f"{field} must be a (start_slot, length) pair, got {desc!r}")
+            start, length = _int_list(list(desc), field)
+            if start < 0:
+                raise invalid(f"{field} start_slot must be >= 0, got {start}")
+            if length <= 0:
+                raise invalid(f"{field} length must be > 0, got {length}")
+            chunks.append((start, length))
+        out.append(chunks)
+    return out, hs
+
+
+def check_unique(seq: Sequence[Any], field: str) -> None:
+    if len(set(seq)) != len(seq):
+        raise invalid(f"{field} must be unique within one call")
+
+
+def optional_kw(kwargs: dict[str, Any], allowed: Sequence[str]) -> Optional[str]:
+    """Name of the first unexpected keyword, or None."""
+    for k in kwargs:
+        if k not in allowed:
+            return k
+    return None

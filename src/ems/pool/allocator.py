@@ -1,0 +1,123 @@
+"""Byte-range allocator over one arena.
+
+Free extents are kept twice: by their bounds (``start -> size`` and ``end -> start``)
+so that a freed extent merges with its neighbours in O(1), and in power-of-two size
+buckets so that an allocation finds a fitting extent after looking at a bounded
+number of candidates (first fit within the smallest bucket that can hold the size,
+else any extent of a larger bucket). All sizes and offsets are multiples of
+``alignment`` (64 bytes by default: a cache line, and a multiple of every dtype's
+size, so the client can view pool memory as int64 rows).
+
+V1 objects of one layout all have the same size, so their frees leave holes that the
+next object of that size fits exactly; V0 values vary, and merging keeps the arena
+from fragmenting into unusably small pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["Allocator"]
+
+_SCAN = 8  # candidates examined in the exact-size bucket before moving up
+
+
+class Allocator:
+    """Allocate and free aligned byte ranges of ``[0, capacity_bytes)``."""
+
+    def __init__(self, capacity_bytes: int, alignment: int = 64) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError("alignment must be a power of two")
+        self.alignment = alignment
+        self.capacity_bytes = capacity_bytes - capacity_bytes % alignment
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._buckets: list[dict[int, None]] = [dict() for _ in range(64)]
+        self._allocated: dict[int, int] = {}
+        self.used_bytes = 0
+        if self.capacity_bytes > 0:
+            self._add_free(0, self.capacity_bytes)
+
+    # ---------------------------------------------------------------- internals
+    def _add_free(self, start: int, size: int) -> None:
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+        self._buckets[size.bit_length() - 1][start] = None
+
+    def _remove_free(self, start: int) -> int:
+        size = self._by_start.pop(start)
+        del self._by_end[start + size]
+        del self._buckets[size.bit_length() - 1][start]
+        return size
+
+    def round_up(self, size: int) -> int:
+        """The number of bytes an allocation of ``size`` really takes."""
+        a = self.alignment
+        return max(a, (size + a - 1) // a * a)
+
+    # ---------------------------------------------------------------- public
+    def alloc(self, size: int) -> Optional[int]:
+        """Return the offset of ``size`` free bytes, or None when no extent fits."""
+        need = self.round_up(size)
+        first = need.bit_length() - 1
+        start = None
+        for i, candidate in enumerate(self._buckets[first]):
+            if self._by_start[candidate] >= need:
+                start = candidate
+                break
+            if i >= _SCAN:
+                break
+        if start is None:
+            for bucket in self._buckets[first + 1:]:
+                if bucket:
+                    start = next(iter(bucket))
+                    break
+        if start is None:
+            return None
+        size_free = self._remove_free(start)
+        if size_free > need:
+            self._add_free(start + need, size_free - need)
+        self._allocated[start] = need
+        self.used_bytes += need
+        return start
+
+    def free(self, offset: int) -> None:
+        """Give back the extent that :meth:`alloc` returned at ``offset``."""
+        size = self._allocated.pop(offset)
+        self.used_bytes -= size
+        start, end = offset, offset + size
+        if end in self._by_start:  # merge with the next free extent
+            size += self._remove_free(end)
+        prev = self._by_end.get(start)
+        if prev is not None:  # merge with the previous free extent
+            size += self._remove_free(prev)
+            start = prev
+        self._add_free(start, size)
+
+    def size_of(self, offset: int) -> int:
+        return self._allocated[offset]
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def largest_free(self) -> int:
+        for bucket in reversed(self._buckets):
+            if bucket:
+                return max(self._by_start[s] for s in bucket)
+        return 0
+
+    def check(self) -> None:
+        """Verify the invariants (tests call this): extents tile the arena exactly."""
+        spans = sorted([(s, n, "free") for s, n in self._by_start.items()]
+                       + [(s, n, "used") for s, n in self._allocated.items()])
+        pos = 0
+        prev_kind = None
+        for start, size, kind in spans:
+            assert start == pos, f"gap or overlap at {pos}: next extent starts at {start}"
+            assert size > 0 and start % self.alignment == 0
+            assert not (kind == "free" and prev_kind == "free"), f"unmerged free at {start}"
+            pos += size
+            prev_kind = kind
+        assert pos == self.capacity_bytes, (pos, self.capacity_bytes)
+        assert self.used_bytes == sum(self._allocated.values())

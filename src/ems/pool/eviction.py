@@ -1,0 +1,41 @@
+"""Eviction policies: small strategies that observe the index and choose victims.
+
+A policy only tracks *evictable* keys (committed, unpinned); the pool removes a key
+from the policy while it is pinned or reserved, so :meth:`victim` is O(1) and never
+returns something a reader is copying.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Optional
+
+__all__ = ["LruPolicy"]
+
+
+class LruPolicy:
+    """Least recently used first; every operation O(1)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """``key`` became evictable (committed, or its last pin was released)."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        """``key`` was used; keep it longer."""
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        """``key`` is no longer evictable (pinned or deleted)."""
+        self._order.pop(key, None)
+
+    def victim(self) -> Optional[Hashable]:
+        """The key to evict next, or None when nothing can be evicted."""
+        return next(iter(self._order), None)
+
+    def __len__(self) -> int:
+        return len(self._order)
