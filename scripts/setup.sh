@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs ems (editable) and what it needs into the current Python environment.
+#   bash scripts/setup.sh          # the SDK, the demo's torch
+#   bash scripts/setup.sh test     # plus the test dependencies
+# torch is installed only where it is absent, and then as the CPU build 2.13.0
+# (an unpinned torch would pull a multi-GB CUDA build); a torch you already have
+# is never replaced.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+extras=""
+if [ "${1:-}" = "test" ]; then extras="[test]"; fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"$PY" -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: torch not found, installing the CPU build torch==2.13.0" >&2
+  "$PY" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "Running pip as the 'root' user" || true
+fi
+"$PY" -c "import ems, msgpack" || { echo "setup: ems failed to import" >&2; exit 1; }

@@ -1,0 +1,7 @@
+"""``python -m ems`` is the ``ems`` command."""
+
+import sys
+
+from ems.cli import main
+
+sys.exit(main())
