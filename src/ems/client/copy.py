@@ -1,7 +1,8 @@
 """Byte copies between the caller's memory and pool memory.
 
-Host pointers are copied with ``memmove`` through ctypes (a foreign call that releases
-the GIL, so several requests copy in parallel). Where the process has CUDA, a pointer
+Host pointers are copied through ctypes (a foreign call that releases the GIL, so
+several requests copy in parallel) by the native helper ``ems._native`` (streaming
+stores for large runs), or by ``memmove`` where it was not built. Where the process has CUDA, a pointer
 is classified with ``cudaPointerGetAttributes`` and a device (or managed) pointer is
 copied with ``cudaMemcpy(..., cudaMemcpyDefault)``: it is never dereferenced on the
 host. Ascend NPU pointers need the CANN runtime, which this project cannot load or
@@ -23,6 +24,11 @@ __all__ = ["copy_bytes", "cuda_runtime"]
 logger = logging.getLogger(__name__)
 
 _memmove = ctypes.memmove
+try:  # the native copy streams large runs past the cache (see src/ems/_native.c)
+    from ems.client.native import copy_one as _native_copy
+except ImportError:  # pragma: no cover
+    _native_copy = None
+_host_copy = _native_copy if _native_copy is not None else _memmove
 
 
 class _CudaRuntime:
@@ -108,4 +114,4 @@ def copy_bytes(dst: int, src: int, n: int) -> None:
     if cuda is not None and (cuda.is_device(dst) or cuda.is_device(src)):
         cuda.memcpy(dst, src, n)
     else:
-        _memmove(dst, src, n)
+        _host_copy(dst, src, n)

@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 from typing import Any, Optional, Sequence
 
+from ems.client import native
 from ems.client.segment import Segment
 from ems.errors import invalid
 from ems.futures import Task
@@ -51,6 +52,10 @@ class _TensorInfo:
     blocks: Any  # [num_blocks, block_size * E] view, or None when a block isn't contiguous
     token_bytes: int
     width: int  # E: units per token
+    ptr: int  # address of block 0, position 0
+    stride0: int  # bytes between blocks
+    stride1: int  # bytes between positions
+    host: bool  # on the CPU: the native bulk copy may address it directly
 
 
 @dataclasses.dataclass
@@ -180,7 +185,9 @@ class RegisteredLayout:
         u0, u1 = t3.stride()[:2]
         rows = t3.as_strided((nb * bs, width), (u1, 1)) if u0 == bs * u1 else None
         blocks = t3.as_strided((nb, bs * width), (u0, 1)) if u1 == width else None
-        return _TensorInfo(gi, li, t3, rows, blocks, elems * t.element_size(), width)
+        es = t.element_size()
+        return _TensorInfo(gi, li, t3, rows, blocks, elems * es, width, t.data_ptr(),
+                           s0 * es, s1 * es, t.device.type == "cpu")
 
     # ------------------------------------------------------------ planning
     def plan_slots(self, slots: list[int], offsets: list[int]) -> "V1Mover":
@@ -286,7 +293,9 @@ class V1Mover:
                     selected[id(tok)] = sel
                 slots, tobj, pos, blk_objs = sel
                 unit = self.layout.unit
-                if tok.block_ids is not None and info.blocks is not None:
+                if info.host and native.available():
+                    self._native_copy(seg, info, ti, tok, obj_off, sel, save)
+                elif tok.block_ids is not None and info.blocks is not None:
                     dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
                     width = info.blocks.shape[1]
                     window = seg.window(self.layout.dtype, width)
@@ -300,6 +309,28 @@ class V1Mover:
                     synced.add(info.t3.device)
         for device in synced:  # every byte is in the caller's cache before we return
             torch.cuda.synchronize(device)
+
+    def _native_copy(self, seg: Segment, info: _TensorInfo, ti: int, tok: _Tokens,
+                     obj_off: Any, sel: tuple[Any, Any, Any, Any], save: bool) -> None:
+        """One pass, straight between the cache and the pool: whole blocks as runs when
+        the request's blocks are full and aligned, else one run per token."""
+        slots, tobj, pos, blk_objs = sel
+        if tok.block_ids is not None:
+            bs = info.t3.shape[1]
+            cache = info.ptr + tok.block_ids[blk_objs] * info.stride0
+            pool = seg.address + obj_off[blk_objs] + self.base[blk_objs, ti]
+            length = info.token_bytes * bs if info.stride1 == info.token_bytes else None
+            if length is not None:
+                native.copy_runs(pool, cache, length) if save else \
+                    native.copy_runs(cache, pool, length)
+                return
+        bs = info.t3.shape[1]
+        cache = info.ptr + (slots // bs) * info.stride0 + (slots % bs) * info.stride1
+        pool = seg.address + obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes
+        if save:
+            native.copy_runs(pool, cache, info.token_bytes)
+        else:
+            native.copy_runs(cache, pool, info.token_bytes)
 
     def _select(self, tok: _Tokens, obj_off: Any, obj_t: Any, everything: bool
                 ) -> tuple[Any, Any, Any, Any]:

@@ -1,0 +1,10 @@
+"""Builds the optional native helper ``ems._native`` (see src/ems/_native.c).
+
+Everything else is in pyproject.toml. ``optional=True``: where no C compiler exists
+the install still succeeds and ems copies with torch instead.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("ems._native", ["src/ems/_native.c"], optional=True,
+                             extra_compile_args=["-O3"])])

@@ -1,0 +1,82 @@
+/*
+ * ems._native: two functions, called through ctypes (which releases the GIL):
+ *
+ *   void ems_copy_runs(const int64_t *dst, const int64_t *src, const int64_t *len,
+ *                      int64_t n, int64_t same_len)
+ *
+ * copies n runs of bytes, run i from address src[i] to address dst[i], of len[i]
+ * bytes (or len[0] bytes each when same_len != 0). The V1 mover computes the
+ * addresses with a few vectorised torch ops per registered tensor, then moves every
+ * block of that tensor in one pass, straight between the caller's KV cache and pool
+ * memory (torch's gather + scatter would need two passes through a temporary).
+ *
+ *   void ems_copy(int64_t dst, int64_t src, int64_t n)
+ *
+ * copies one run (the V0 path: one caller buffer to or from pool memory).
+ *
+ * It is a CPython extension module only so that pip builds and installs it; the
+ * module itself exports nothing. When it cannot be built, ems falls back to torch.
+ */
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Runs of at least this many bytes are written with non-temporal (streaming) stores:
+ * the KV runs of one request are scattered over the pool in pieces of tens of KiB,
+ * below the size at which the C library's memcpy switches to streaming stores, and a
+ * plain store first reads every destination line (read-for-ownership), costing about
+ * half the bandwidth. */
+#define EMS_STREAM_MIN 4096
+
+static void copy_one(char *d, const char *s, size_t n) {
+#if defined(__SSE2__)
+    if (n >= EMS_STREAM_MIN) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        size_t blocks = n / 64;
+        for (size_t i = 0; i < blocks; i++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)(d + 0), a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+            s += 64; d += 64;
+        }
+        memcpy(d, s, n - blocks * 64);
+        return;
+    }
+#endif
+    memcpy(d, s, n);
+}
+
+void ems_copy_runs(const int64_t *dst, const int64_t *src, const int64_t *len,
+                   int64_t n, int64_t same_len) {
+    for (int64_t i = 0; i < n; i++) {
+        size_t nbytes = (size_t)(same_len ? len[0] : len[i]);
+        copy_one((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], nbytes);
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streaming stores are visible before the caller publishes */
+#endif
+}
+
+void ems_copy(int64_t dst, int64_t src, int64_t n) {
+    copy_one((char *)(intptr_t)dst, (const char *)(intptr_t)src, (size_t)n);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static struct PyModuleDef ems_native_module = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "Bulk copy of byte runs for ems (called through ctypes).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&ems_native_module); }
