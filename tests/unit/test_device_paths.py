@@ -99,3 +99,49 @@ def test_v1_roundtrip_on_cuda_tensors():
                 assert torch.equal(t[2:4], r[0:2])
     finally:
         Ems.finalize()
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "torch-fallback"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["block-rows", "token-rows"])
+def test_v1_copy_paths_agree(monkeypatch, native_on, aligned):
+    """The native bulk copy and the torch gather/scatter (used for device tensors and
+    where the extension was not built) move the same bytes."""
+    torch = pytest.importorskip("torch")
+    from ems import CcConfig_v1, Ems, EmsConfig
+    from ems.client import native
+    if native_on and not native.available():
+        pytest.skip("ems._native was not built")
+    monkeypatch.setattr(native, "available", lambda: native_on)
+    monkeypatch.setenv("EMS_POOL", "embedded")
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="m")))
+    try:
+        cc = Ems.get_cc()
+        g = torch.Generator().manual_seed(0)
+        base = torch.randn(2, 10, 4, 3, 8, generator=g)
+        kv = [[base[0], base[1]],  # slices of one [2, nb, bs, h, d] tensor
+              [torch.randn(10, 4, 24, generator=g).half(),
+               torch.randint(-100, 100, (4, 10, 6), generator=g, dtype=torch.int32)
+               .permute(1, 0, 2)]]  # dims 0/1 swapped in memory
+        ref = [[t.clone() for t in layer] for layer in kv]
+        cc.register_kvcache(kv)
+        if aligned:
+            src, dst, offsets = list(range(0, 8)), list(range(16, 24)), [4, 4]
+        else:
+            src, dst, offsets = [1, 2, 3, 9, 10], [30, 31, 33, 34, 35], [3, 2]
+        assert cc.save(slot_mapping=src, hashes=[5, 6], offsets=offsets).success == 2
+        for layer in kv:
+            for t in layer:
+                t.zero_()
+        assert cc.load(slot_mapping=dst, hashes=[5, 6], offsets=offsets).success == 2
+        for layer, rlayer in zip(kv, ref):
+            for t, r in zip(layer, rlayer):
+                flat_t = t.reshape(40, -1) if t.is_contiguous() else None
+                for s, d in zip(src, dst):
+                    got = t[d // 4, d % 4]
+                    want = r[s // 4, s % 4]
+                    assert torch.equal(got, want), (s, d)
+                if flat_t is not None:
+                    untouched = [i for i in range(40) if i not in dst]
+                    assert not flat_t[untouched].any()
+    finally:
+        Ems.finalize()
