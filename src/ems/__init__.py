@@ -11,7 +11,7 @@ from ems.keys import KvBufferWrapper, PrimaryKey
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
+__all__ = [
     "CcConfig",
     "CcConfig_v1",
     "CcFuture",
@@ -26,4 +26,4 @@ __all__ = sorted([
     "KVCacheType",
     "KvBufferWrapper",
     "PrimaryKey",
-])
+]

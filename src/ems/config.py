@@ -255,6 +255,19 @@ class PoolSettings:
     connect_timeout_ms: int = 3000
     workers: int = 4
 
+    #: the daemon's socket file inside ``socket_dir``
+    SOCKET_NAME = "ems.sock"
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.socket_dir, self.SOCKET_NAME)
+
+    def resolved_mode(self) -> str:
+        """``embedded`` or ``server``: the pool ``Ems.init`` picks with these settings."""
+        if self.mode != "auto":
+            return self.mode
+        return "server" if os.path.exists(self.socket_path) else "embedded"
+
     @classmethod
     def from_env(cls, env: Optional[dict[str, str]] = None) -> "PoolSettings":
         env = os.environ if env is None else env

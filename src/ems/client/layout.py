@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from ems.client import native
 from ems.client.segment import Segment

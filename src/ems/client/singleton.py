@@ -17,7 +17,6 @@ one with a different config raises ``EMS_ALREADY_INITIALIZED`` (call
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any, Optional
 
@@ -30,15 +29,13 @@ __all__ = ["Ems", "SOCKET_NAME", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
-SOCKET_NAME = "ems.sock"
+SOCKET_NAME = PoolSettings.SOCKET_NAME
 
 
 def open_transport(settings: PoolSettings, config: EmsConfig) -> Transport:
     """Connect to the pool that ``settings`` selects."""
-    sock = os.path.join(settings.socket_dir, SOCKET_NAME)
-    mode = settings.mode
-    if mode == "auto":
-        mode = "server" if os.path.exists(sock) else "embedded"
+    sock = settings.socket_path
+    mode = settings.resolved_mode()
     if mode == "embedded":
         from ems.client.embedded import EmbeddedTransport
         tenant = f"{config.access_id}/" if config.access_id else ""

@@ -36,12 +36,11 @@ import torch
 
 import ems
 from ems import CcConfig_v1, Ems, EmsConfig, EmsException
-from ems.client.singleton import SOCKET_NAME
 from ems.config import PoolSettings
 from ems.demo.connector import EmsConnector
 from ems.demo.engine import Engine, RequestStats, Workload, make_workload
 from ems.demo.model import LlamaModel, ModelConfig
-from ems.demo.scheduler import block_hashes
+from ems.demo.scheduler import Request, block_hashes
 
 __all__ = ["Comparison", "compare", "main"]
 
@@ -115,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    # Hidden: how --instances starts its workers (results file, progress label).
     r.add_argument("--worker-out", help=argparse.SUPPRESS)
+    r.add_argument("--worker-label", default="worker", help=argparse.SUPPRESS)
     return p
 
 
@@ -229,9 +230,9 @@ class _CachedRun:
     pool: Optional[dict[str, Any]]
 
 
-def _run_cached(engine: Engine, settings: DemoSettings, progress: _Progress) -> _CachedRun:
+def _run_cached(engine: Engine, settings: DemoSettings, requests: Sequence[Request],
+                progress: _Progress) -> _CachedRun:
     """The ems pass: init, register, run every request, collect saves, finalize."""
-    requests = make_workload(settings.workload, settings.model.vocab_size)
     cc = _init_cc(settings)
     try:
         connector = EmsConnector(cc, settings.block_size, settings.timeout_ms)
@@ -248,9 +249,9 @@ def _run_cached(engine: Engine, settings: DemoSettings, progress: _Progress) -> 
         Ems.finalize()
 
 
-def _run_plain(engine: Engine, settings: DemoSettings, progress: _Progress
+def _run_plain(engine: Engine, requests: Sequence[Request], progress: _Progress
                ) -> list[RequestStats]:
-    requests = make_workload(settings.workload, settings.model.vocab_size)
+    """The pass without ems: every request prefills its whole prompt."""
     results = engine.run_all(requests, progress.step)
     engine.reset()
     return results
@@ -262,14 +263,14 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _kv_summary(settings: DemoSettings, engine: Engine) -> dict[str, Any]:
+def _kv_summary(settings: DemoSettings, engine: Engine,
+                requests: Sequence[Request]) -> dict[str, Any]:
     """KV sizes of the workload, and the pool it will be written to."""
-    requests = make_workload(settings.workload, settings.model.vocab_size)
     distinct = {h for r in requests for h in block_hashes(r.prompt, settings.block_size)}
     block_bytes = engine.block_bytes()
     try:
         pool = PoolSettings.from_env()
-        kind = _pool_kind(pool)
+        kind = pool.resolved_mode()
         capacity = pool.capacity_bytes if kind == "embedded" else None
     except EmsException as exc:
         kind, capacity = f"invalid settings ({exc.message()})", None
@@ -324,10 +325,9 @@ def _print_requests(plain: Sequence[RequestStats], cached: Sequence[RequestStats
 def _print_summary(label: str, plain: dict[str, float], cached: dict[str, float],
                    conn: dict[str, Any], block_bytes: int, cmp: Comparison,
                    out: TextIO) -> None:
-    saved = plain["prefill_s"] - cached["prefill_s"]
-    print(f"\n{label}prefill total: without ems {plain['prefill_s']:.2f} s, with ems "
-          f"{cached['prefill_s']:.2f} s  ->  {plain['prefill_s'] / max(cached['prefill_s'], 1e-9):.2f}x,"
-          f" {saved:.2f} s saved", file=out)
+    before, after = plain["prefill_s"], cached["prefill_s"]
+    print(f"\n{label}prefill total: without ems {before:.2f} s, with ems {after:.2f} s  ->  "
+          f"{before / max(after, 1e-9):.2f}x, {before - after:.2f} s saved", file=out)
     hit = cached["loaded_tokens"] / max(cached["prompt_tokens"], 1)
     print(f"{label}prompt tokens {cached['prompt_tokens']}: computed "
           f"{cached['computed_tokens']}, loaded {cached['loaded_tokens']}  (hit rate "
@@ -359,33 +359,21 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ instances
 
-def _pool_kind(settings: PoolSettings) -> str:
-    """``embedded`` or ``server``: what ``Ems.init`` will pick with these settings."""
-    if settings.mode != "auto":
-        return settings.mode
-    sock = os.path.join(settings.socket_dir, SOCKET_NAME)
-    return "server" if os.path.exists(sock) else "embedded"
-
-
-def _worker(settings: DemoSettings, out_path: str, progress: bool) -> int:
+def _worker(settings: DemoSettings, out_path: str, label: str, progress: bool) -> int:
     """A ``--instances`` worker: the ems pass only; results to ``out_path`` (torch.save)."""
     engine = _engine(settings)
-    label = f"instance {os.environ.get('EMS_DEMO_INSTANCE', '?')}"
-    run = _run_cached(engine, settings, _Progress(label, _count(settings), progress))
+    requests = make_workload(settings.workload, settings.model.vocab_size)
+    run = _run_cached(engine, settings, requests, _Progress(label, len(requests), progress))
     torch.save({"requests": [r.to_json() for r in run.results],
                 "logits": [r.logits for r in run.results],
                 "connector": run.connector}, out_path)
     return 0
 
 
-def _count(settings: DemoSettings) -> int:
-    return settings.workload.prefixes * settings.workload.requests
-
-
 def _run_instances(settings: DemoSettings, args: argparse.Namespace,
                    progress: bool, out: TextIO) -> int:
     try:
-        kind = _pool_kind(PoolSettings.from_env())
+        kind = PoolSettings.from_env().resolved_mode()
     except EmsException as exc:
         print(f"ems demo: {exc.message()}", file=sys.stderr)
         return 2
@@ -394,10 +382,19 @@ def _run_instances(settings: DemoSettings, args: argparse.Namespace,
               "share one pool; the pool here would be embedded (one per process). Start "
               "`ems-server` and run with EMS_POOL=server.", file=sys.stderr)
         return 2
+    try:  # fail now rather than after the plain pass
+        _init_cc(settings)
+    except EmsException as exc:
+        print(f"ems demo: cannot use the pool ({exc.status_code().name}): {exc.message()}",
+              file=sys.stderr)
+        return 1
+    finally:
+        Ems.finalize()
     engine = _engine(settings)
-    kv = _kv_summary(settings, engine)
+    requests = make_workload(settings.workload, settings.model.vocab_size)
+    kv = _kv_summary(settings, engine, requests)
     _print_header(settings, kv, out)
-    plain = _run_plain(engine, settings, _Progress("without ems", _count(settings), progress))
+    plain = _run_plain(engine, requests, _Progress("without ems", len(requests), progress))
     del engine
     forwarded: list[str] = []
     for dest in _FORWARDED:
@@ -412,9 +409,10 @@ def _run_instances(settings: DemoSettings, args: argparse.Namespace,
     with tempfile.TemporaryDirectory(prefix="ems-demo-") as tmp:
         for i in range(args.instances):
             path = os.path.join(tmp, f"instance{i}.pt")
-            env["EMS_DEMO_INSTANCE"] = f"{i + 1}/{args.instances}"
             rc = subprocess.run([sys.executable, "-m", "ems.demo", *forwarded,
-                                 "--worker-out", path], env=env, check=False).returncode
+                                 "--worker-out", path,
+                                 "--worker-label", f"instance {i + 1}/{args.instances}"],
+                                env=env, check=False).returncode
             if rc != 0:
                 print(f"ems demo: instance {i + 1} failed (exit {rc})", file=sys.stderr)
                 return 1
@@ -439,11 +437,13 @@ def _run_instances(settings: DemoSettings, args: argparse.Namespace,
 def _run_single(settings: DemoSettings, args: argparse.Namespace,
                 progress: bool, out: TextIO) -> int:
     engine = _engine(settings)
-    kv = _kv_summary(settings, engine)
+    requests = make_workload(settings.workload, settings.model.vocab_size)
+    kv = _kv_summary(settings, engine, requests)
     _print_header(settings, kv, out)
-    plain = _run_plain(engine, settings, _Progress("without ems", _count(settings), progress))
+    plain = _run_plain(engine, requests, _Progress("without ems", len(requests), progress))
     try:
-        run = _run_cached(engine, settings, _Progress("with ems", _count(settings), progress))
+        run = _run_cached(engine, settings, requests,
+                          _Progress("with ems", len(requests), progress))
     except EmsException as exc:
         print(f"ems demo: could not use ems ({exc.status_code().name}): {exc.message()}",
               file=sys.stderr)
@@ -452,6 +452,9 @@ def _run_single(settings: DemoSettings, args: argparse.Namespace,
     _print_requests(plain, run.results, out)
     _print_summary("", _totals(plain), _totals(run.results), run.connector,
                    kv["block_bytes"], cmp, out)
+    if run.pool:
+        print("pool statistics: " + ", ".join(f"{k} {v}" for k, v in run.pool.items()),
+              file=out)
     if args.json:
         _write_json(args.json, {
             "settings": vars(args), "model": dataclasses.asdict(settings.model),
@@ -483,7 +486,7 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         if args.worker_out:
-            return _worker(settings, args.worker_out, progress)
+            return _worker(settings, args.worker_out, args.worker_label, progress)
         if args.instances > 1:
             return _run_instances(settings, args, progress, out)
         return _run_single(settings, args, progress, out)
