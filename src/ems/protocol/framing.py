@@ -1,0 +1,128 @@
+"""Frames: a fixed header, then a msgpack body. Bytes in, messages out; no sockets.
+
+A frame is::
+
+    +-------+---------+-------+----------------+------------------+
+    | "EM"  | version | flags | length (u32 BE) | msgpack body ... |
+    +-------+---------+-------+----------------+------------------+
+      2 B      1 B      1 B        4 B            length bytes
+
+* ``version`` is :data:`PROTOCOL_VERSION`; a peer that sees another version answers
+  one :class:`~ems.protocol.messages.Error` frame and closes the connection (it never
+  guesses at a body it may not understand).
+* ``flags`` is reserved and must be 0.
+* ``length`` is at most :data:`MAX_FRAME_BYTES`: a peer never buffers more than that
+  for one message, whatever the other side claims.
+
+:class:`FrameDecoder` is the receiving half (h11 style): ``feed()`` the bytes that
+arrived, then iterate to get every complete message. Any violation raises
+``EmsException(EMS_PROTOCOL_ERROR)`` once and leaves the decoder failed: the only
+sane reaction to a corrupt stream is to close it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Iterator, Optional
+
+import msgpack
+
+from ems.errors import EmsErrorCode, EmsException
+from ems.protocol.messages import Message, from_wire
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "FrameDecoder",
+    "encode",
+    "protocol_error",
+]
+
+MAGIC = b"EM"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">2sBBI")
+#: Largest body either side accepts (a batch of ~250k keys of 128 bytes fits).
+MAX_FRAME_BYTES = 32 << 20
+
+
+def protocol_error(message: str) -> EmsException:
+    return EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, message)
+
+
+def encode(message: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """One frame holding ``message`` (``version`` is only overridden by tests)."""
+    body = msgpack.packb(message.to_wire(), use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise protocol_error(f"{type(message).__name__} is {len(body)} bytes, more than "
+                             f"the {MAX_FRAME_BYTES} a frame may hold; split the batch")
+    return HEADER.pack(MAGIC, version, 0, len(body)) + body
+
+
+class FrameDecoder:
+    """Incremental decoder of a byte stream into messages."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        #: largest body accepted; may be raised later (the daemon keeps it small
+        #: until a connection has authenticated)
+        self.max_frame_bytes = max_frame_bytes
+        self._failed: Optional[EmsException] = None
+
+    def feed(self, data: bytes) -> None:
+        """Append bytes received from the peer."""
+        if self._failed is None:
+            self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as a message."""
+        return len(self._buf)
+
+    def next_message(self) -> Optional[Message]:
+        """The next complete message, or None until more bytes arrive."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return self._next()
+        except EmsException as exc:
+            self._failed = exc
+            self._buf.clear()
+            raise
+
+    def __iter__(self) -> Iterator[Message]:
+        while True:
+            msg = self.next_message()
+            if msg is None:
+                return
+            yield msg
+
+    def _next(self) -> Optional[Message]:
+        buf = self._buf
+        if len(buf) < HEADER.size:
+            if buf and not MAGIC.startswith(bytes(buf[:2])):
+                raise protocol_error("not an ems frame (bad magic); is this an ems client?")
+            return None
+        magic, version, flags, length = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise protocol_error("not an ems frame (bad magic); is this an ems client?")
+        if version != PROTOCOL_VERSION:
+            raise protocol_error(f"protocol version {version} is not supported (this side "
+                                 f"speaks version {PROTOCOL_VERSION}); upgrade the older "
+                                 f"of the ems client and ems-server")
+        if flags != 0:
+            raise protocol_error(f"frame flags must be 0, got {flags:#x}")
+        if length > self.max_frame_bytes:
+            raise protocol_error(f"frame of {length} bytes exceeds the limit of "
+                                 f"{self.max_frame_bytes}")
+        end = HEADER.size + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[HEADER.size:end])
+        del buf[:end]
+        try:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
+            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
+        return from_wire(obj)

@@ -1,0 +1,344 @@
+"""The messages of the ems wire protocol, and their checked msgpack form.
+
+Every message is a frozen dataclass; on the wire it is the msgpack array
+``[type_code, field_1, field_2, ...]``. Decoding checks the type of every field (and
+that parallel lists have equal lengths), so the daemon's request handlers only ever
+see well-formed values: anything else is ``EMS_PROTOCOL_ERROR`` and the connection
+closes.
+
+A connection goes through two phases::
+
+    client                                   daemon
+    Hello(access_id, admin)          ->
+                                     <-      Challenge(nonce)       (access_id given)
+    Auth(mac)                        ->
+                                     <-      Welcome(...) + memfd   (SCM_RIGHTS)
+                                             or Error(EMS_AUTH_FAILED) and close
+    ---------------------------- ready ----------------------------------------
+    Reserve(rid, keys, sizes)        ->      Granted(rid, statuses, tokens, offsets, sizes)
+    Commit(rid, tokens)              ->      Committed(rid, ok)
+    Abort(tokens)                    ->      (no reply)
+    Acquire(rid, keys, sizes)        ->      Pinned(rid, tokens, offsets, sizes)
+    Release(tokens)                  ->      (no reply)
+    Exists(rid, keys, sizes)         ->      Count(rid, n)
+    Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
+    Ping(rid)                        ->      Pong(rid)
+    any request                      ->      Error(rid, code, message)
+
+``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
+requests of one client share one connection; ``Error`` with ``rid == 0`` is about
+the connection itself (sent just before the daemon closes it). Batches keep a save of
+N keys at two round trips (reserve, commit) and a load at one plus a one-way release.
+The access key never crosses the socket: ``Auth.mac`` is :func:`auth_mac` of the
+daemon's fresh nonce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from typing import Any, Callable, ClassVar, Optional
+
+from ems.errors import EmsErrorCode, EmsException
+
+__all__ = [
+    "MESSAGES",
+    "Abort",
+    "Acquire",
+    "Auth",
+    "Challenge",
+    "Commit",
+    "Committed",
+    "Count",
+    "Error",
+    "Exists",
+    "Granted",
+    "Hello",
+    "Message",
+    "Ping",
+    "Pinned",
+    "Pong",
+    "Release",
+    "Reserve",
+    "Stats",
+    "StatsReply",
+    "Welcome",
+    "auth_mac",
+    "from_wire",
+]
+
+_U64 = 1 << 64
+
+
+def _bad(message: str) -> EmsException:
+    return EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, message)
+
+
+# ----------------------------------------------------------------------- field checks
+# Each check returns True when the decoded value has the right shape.
+
+def _uint(v: Any) -> bool:
+    return type(v) is int and 0 <= v < _U64
+
+
+def _rid(v: Any) -> bool:
+    return type(v) is int and 0 < v < _U64
+
+
+def _bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _bytes(v: Any) -> bool:
+    return type(v) is bytes
+
+
+def _num(v: Any) -> bool:
+    return type(v) in (int, float) and v >= 0
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _list(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: type(v) is list and all(check(x) for x in v)
+
+
+def _tree(v: Any, depth: int = 0) -> bool:
+    """Plain JSON-like data (the statistics report)."""
+    if depth > 8:
+        return False
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    if type(v) is list:
+        return all(_tree(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return all(type(k) is str and _tree(x, depth + 1) for k, x in v.items())
+    return False
+
+
+_uints = _list(_uint)
+_strs = _list(_str)
+
+
+def _field(check: Callable[[Any], bool]) -> Any:
+    return dataclasses.field(metadata={"check": check})
+
+
+# ----------------------------------------------------------------------- base
+
+class Message:
+    """Base of every wire message (``TYPE`` is its code on the wire)."""
+
+    TYPE: ClassVar[int]
+    #: tuples of field names that must hold lists of equal length
+    PARALLEL: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    def to_wire(self) -> list[Any]:
+        return [self.TYPE, *(getattr(self, f.name) for f in dataclasses.fields(self))]
+
+    @classmethod
+    def check(cls, values: list[Any]) -> "Message":
+        fields = dataclasses.fields(cls)
+        name = cls.__name__
+        if len(values) != len(fields):
+            raise _bad(f"{name} has {len(fields)} fields, got {len(values)}")
+        for f, v in zip(fields, values):
+            if not f.metadata["check"](v):
+                raise _bad(f"{name}.{f.name} has the wrong type or range: {_short(v)}")
+        msg = cls(*values)
+        for group in cls.PARALLEL:
+            lengths = {len(getattr(msg, n)) for n in group if getattr(msg, n) is not None}
+            if len(lengths) > 1:
+                raise _bad(f"{name}: {', '.join(group)} must have equal lengths")
+        return msg
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+MESSAGES: dict[int, type[Message]] = {}
+
+
+def _message(code: int) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        cls.TYPE = code
+        assert code not in MESSAGES
+        MESSAGES[code] = cls
+        return cls
+    return register
+
+
+def from_wire(obj: Any) -> Message:
+    """Check and build the message of a decoded msgpack body."""
+    if type(obj) is not list or not obj or type(obj[0]) is not int:
+        raise _bad("a message must be an array that starts with its type code")
+    cls = MESSAGES.get(obj[0])
+    if cls is None:
+        raise _bad(f"unknown message type {obj[0]}")
+    return cls.check(obj[1:])
+
+
+def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:
+    """What a client proves it holds ``access_key`` with (HMAC-SHA256 of the nonce)."""
+    msg = b"ems-auth-v1\x00" + nonce + b"\x00" + access_id.encode()
+    return hmac.new(access_key.encode(), msg, hashlib.sha256).digest()
+
+
+# ----------------------------------------------------------------------- handshake
+
+@_message(1)
+class Hello(Message):
+    """First client message. ``access_id`` None = anonymous; ``admin`` asks for an
+    admin session (statistics only), granted to the daemon's own uid and root."""
+
+    access_id: Optional[str] = _field(_opt(_str))
+    admin: bool = _field(_bool)
+
+
+@_message(2)
+class Challenge(Message):
+    nonce: bytes = _field(_bytes)
+
+
+@_message(3)
+class Auth(Message):
+    mac: bytes = _field(_bytes)
+
+
+@_message(4)
+class Welcome(Message):
+    """Session accepted. A tenant session comes with the tenant's memfd (SCM_RIGHTS):
+    ``segment_size`` bytes of pool memory, named ``segment_id`` in this daemon."""
+
+    tenant: str = _field(_str)
+    segment_id: int = _field(_uint)
+    segment_size: int = _field(_uint)
+    reservation_ttl_s: float = _field(_num)
+    server: str = _field(_str)
+
+
+# ----------------------------------------------------------------------- requests
+
+@_message(10)
+class Reserve(Message):
+    rid: int = _field(_rid)
+    keys: list = _field(_strs)
+    sizes: list = _field(_uints)
+    PARALLEL = (("keys", "sizes"),)
+
+
+@_message(11)
+class Commit(Message):
+    rid: int = _field(_rid)
+    tokens: list = _field(_uints)
+
+
+@_message(12)
+class Abort(Message):
+    tokens: list = _field(_uints)
+
+
+@_message(13)
+class Acquire(Message):
+    rid: int = _field(_rid)
+    keys: list = _field(_strs)
+    sizes: Optional[list] = _field(_opt(_uints))
+    PARALLEL = (("keys", "sizes"),)
+
+
+@_message(14)
+class Release(Message):
+    tokens: list = _field(_uints)
+
+
+@_message(15)
+class Exists(Message):
+    rid: int = _field(_rid)
+    keys: list = _field(_strs)
+    sizes: Optional[list] = _field(_opt(_uints))
+    PARALLEL = (("keys", "sizes"),)
+
+
+@_message(16)
+class Stats(Message):
+    rid: int = _field(_rid)
+    all_tenants: bool = _field(_bool)
+
+
+@_message(17)
+class Ping(Message):
+    rid: int = _field(_rid)
+
+
+# ----------------------------------------------------------------------- replies
+
+@_message(30)
+class Granted(Message):
+    """One entry per key: a ``GrantStatus`` value, and token/offset/size for NEW."""
+
+    rid: int = _field(_rid)
+    statuses: list = _field(_uints)
+    tokens: list = _field(_uints)
+    offsets: list = _field(_uints)
+    sizes: list = _field(_uints)
+    PARALLEL = (("statuses", "tokens", "offsets", "sizes"),)
+
+
+@_message(31)
+class Committed(Message):
+    rid: int = _field(_rid)
+    ok: list = _field(_list(_bool))
+
+
+@_message(32)
+class Pinned(Message):
+    """The leading hits, pinned until released."""
+
+    rid: int = _field(_rid)
+    tokens: list = _field(_uints)
+    offsets: list = _field(_uints)
+    sizes: list = _field(_uints)
+    PARALLEL = (("tokens", "offsets", "sizes"),)
+
+
+@_message(33)
+class Count(Message):
+    rid: int = _field(_rid)
+    n: int = _field(_uint)
+
+
+@_message(34)
+class StatsReply(Message):
+    rid: int = _field(_rid)
+    stats: dict = _field(lambda v: type(v) is dict and _tree(v))
+
+
+@_message(35)
+class Pong(Message):
+    rid: int = _field(_rid)
+
+
+@_message(36)
+class Error(Message):
+    """``code`` is an ``EmsErrorCode`` value; ``rid`` 0 is about the connection."""
+
+    rid: int = _field(_uint)
+    code: int = _field(_uint)
+    message: str = _field(_str)
+
+    def exception(self) -> EmsException:
+        try:
+            code = EmsErrorCode(self.code)
+        except ValueError:
+            code = EmsErrorCode.EMS_INTERNAL_ERROR
+        return EmsException(code, self.message)

@@ -1,0 +1,104 @@
+"""``ems-server`` / ``python -m ems.server``: run the daemon, or ``stats``.
+
+Exit status: 0 after a clean stop (SIGTERM/SIGINT), 1 when the daemon cannot start
+(another daemon on the socket, unusable socket directory), 2 for a bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+logger = logging.getLogger("ems.server")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ems-server",
+        description="The ems per-host KV-cache pool daemon. Subcommand: `ems-server stats "
+                    "[--json]` prints the counters of a running daemon.",
+        epilog="Settings: defaults < config file < environment < flags; see "
+               "`python -c 'import ems.server.config as c; help(c)'`.")
+    p.add_argument("--config", help="TOML config file (env EMS_SERVER_CONFIG)")
+    p.add_argument("--socket-dir", dest="socket_dir",
+                   help="directory of ems.sock (default /dev/shm/ems; env EMS_SOCKET_DIR)")
+    p.add_argument("--capacity", help="memory of all pools, e.g. 8G (default min(4G, RAM/4); "
+                                      "env EMS_SERVER_CAPACITY)")
+    p.add_argument("--tenants-file", dest="tenants_file",
+                   help="TOML file of access_id = \"access_key\" (mode 0600; "
+                        "env EMS_TENANTS_FILE)")
+    anon = p.add_mutually_exclusive_group()
+    anon.add_argument("--anonymous", dest="anonymous", action="store_const", const=True,
+                      help="allow clients without credentials (default; env EMS_ANONYMOUS)")
+    anon.add_argument("--no-anonymous", dest="anonymous", action="store_const", const=False,
+                      help="refuse clients without credentials")
+    p.add_argument("--anonymous-quota", dest="anonymous_quota",
+                   help="pool size of the anonymous namespace (default: an equal share)")
+    p.add_argument("--quota", action="append", metavar="ID=SIZE",
+                   help="pool size of tenant ID (repeatable; default: an equal share)")
+    p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float,
+                   help="free a writer's reservation after this long (default 60; "
+                        "env EMS_RESERVATION_TTL_S)")
+    p.add_argument("--socket-mode", dest="socket_mode",
+                   help="octal permissions of the socket file (default 0660)")
+    p.add_argument("--log-level", dest="log_level",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["stats"]:
+        from ems.server import stats_main
+        return stats_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    args = _parser().parse_args(argv)
+
+    from ems.errors import EmsException
+    from ems.server.config import (
+        ANONYMOUS,
+        ServerConfig,
+        configure_logging,
+        load_tenants,
+        resolve_quotas,
+    )
+    from ems.server.daemon import Daemon, DaemonError
+    from ems.server.tenants import TenantRegistry
+
+    try:
+        config = ServerConfig.load(vars(args), os.environ)
+        tenants = load_tenants(config.tenants_file) if config.tenants_file else {}
+        specs = resolve_quotas(config, tenants)
+    except EmsException as exc:
+        print(f"ems-server: bad configuration: {exc.message()}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    registry = TenantRegistry(specs, config.reservation_ttl_s)
+    daemon = Daemon(config, registry)
+    try:
+        daemon.start()
+    except DaemonError as exc:
+        registry.close()
+        logger.error("%s", exc)
+        return 1
+    names = [s.name for s in specs]
+    mode = ("anonymous only" if names == [ANONYMOUS] else
+            f"{len(tenants)} tenant(s){' + anonymous' if config.anonymous else ''}")
+    logger.info("ems-server listening on %s: capacity %d MiB, tenants: %s, quotas: %s, "
+                "reservation TTL %.1f s, pid %d", config.socket_path,
+                config.capacity_bytes >> 20, mode,
+                ", ".join(f"{s.name}={s.quota_bytes >> 20} MiB" for s in specs),
+                config.reservation_ttl_s, os.getpid())
+    daemon.serve_forever()
+    logger.info("ems-server stopped; removed %s", config.socket_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Configuration of ``ems-server``: defaults < config file < environment < flags.
+
+Every setting, its flag, its config-file key and its environment variable:
+
+=====================  ======================  ======================  ====================
+setting                flag                    config file (TOML)      environment
+=====================  ======================  ======================  ====================
+socket directory       ``--socket-dir``        ``socket_dir``          ``EMS_SOCKET_DIR``
+total capacity         ``--capacity``          ``capacity``            ``EMS_SERVER_CAPACITY``
+tenants file           ``--tenants-file``      ``tenants_file``        ``EMS_TENANTS_FILE``
+anonymous access       ``--[no-]anonymous``    ``anonymous``           ``EMS_ANONYMOUS``
+anonymous quota        ``--anonymous-quota``   ``anonymous_quota``     -
+per-tenant quotas      ``--quota ID=SIZE``     ``[quotas]`` ID = SIZE  -
+reservation TTL        ``--reservation-ttl-s`` ``reservation_ttl_s``   ``EMS_RESERVATION_TTL_S``
+socket permissions     ``--socket-mode``       ``socket_mode``         -
+log level              ``--log-level``         ``log_level``           ``EMS_LOG_LEVEL``
+=====================  ======================  ======================  ====================
+
+The config file is ``--config FILE`` or ``EMS_SERVER_CONFIG``. Sizes are bytes or
+``512M``/``4G`` (binary units). Unknown keys and bad values stop the daemon with a
+message naming them (fail closed).
+
+Capacity and quotas: ``capacity`` bounds the memory of the whole daemon. Each tenant
+(and the anonymous namespace, when enabled) gets its own pool: its quota when one is
+configured, else an equal share of what the explicit quotas leave. Quotas that add up
+to more than ``capacity`` are refused.
+
+The tenants file holds secrets (``[tenants]`` table of ``access_id = "access_key"``)
+and must not be readable by group or others (``chmod 600``); see :func:`load_tenants`.
+
+(The style guide keeps ``EMS_*`` reads in ``ems.config``; the daemon's own variables
+are read here, from the mapping ``main`` passes in, because nothing in the SDK uses
+them and the daemon must not depend on the SDK's client settings.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+from typing import Any, Mapping, Optional
+
+from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
+from ems.errors import EmsException, invalid
+
+__all__ = ["ANONYMOUS", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
+           "read_toml", "resolve_quotas"]
+
+ANONYMOUS = "(anonymous)"  # display name; not a valid access_id, so it cannot clash
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
+              "quotas", "reservation_ttl_s", "socket_mode", "log_level"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The daemon's settings (see the module docstring for where each comes from)."""
+
+    #: directory of ``ems.sock`` (shared with the inference processes; the SDK's
+    #: default, ``/dev/shm/ems``)
+    socket_dir: str = PoolSettings.socket_dir
+    #: memory of all pools together, bytes (default: min(4 GiB, RAM/4))
+    capacity_bytes: int = dataclasses.field(
+        default_factory=lambda: PoolSettings().capacity_bytes)
+    #: TOML file of ``access_id = "access_key"`` pairs; None = no tenants
+    tenants_file: Optional[str] = None
+    #: allow clients without access_id/access_key (their own namespace)
+    anonymous: bool = True
+    #: pool size of the anonymous namespace, bytes (None: an equal share)
+    anonymous_quota_bytes: Optional[int] = None
+    #: pool size per access_id, bytes (others: an equal share)
+    quotas_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: a writer's reservation is freed this long after it was made
+    reservation_ttl_s: float = 60.0
+    #: permissions of the socket file (the directory's still apply)
+    socket_mode: int = 0o660
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.socket_dir:
+            raise invalid("socket_dir must not be empty")
+        if self.capacity_bytes <= 0:
+            raise invalid(f"capacity must be > 0, got {self.capacity_bytes}")
+        if not 0 < self.reservation_ttl_s <= 86400:
+            raise invalid(f"reservation_ttl_s must be in (0, 86400], got "
+                          f"{self.reservation_ttl_s}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise invalid(f"socket_mode must be an octal permission like 0660, got "
+                          f"{self.socket_mode:o}")
+        if self.log_level not in _LEVELS:
+            raise invalid(f"log_level must be one of {', '.join(_LEVELS)}, got "
+                          f"{self.log_level!r}")
+        for ident in self.quotas_bytes:
+            _check_id(ident, "quotas")
+
+    @property
+    def socket_path(self) -> str:
+        from ems.client.singleton import SOCKET_NAME
+        return os.path.join(self.socket_dir, SOCKET_NAME)
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any], env: Mapping[str, str]) -> "ServerConfig":
+        """Merge the config file, the environment and ``flags`` (argparse values; None
+        where a flag was not given)."""
+        values: dict[str, Any] = {}
+        path = flags.get("config") or env.get("EMS_SERVER_CONFIG")
+        if path:
+            values.update(_from_file(path))
+        for var, key in (("EMS_SOCKET_DIR", "socket_dir"), ("EMS_SERVER_CAPACITY", "capacity"),
+                         ("EMS_TENANTS_FILE", "tenants_file"), ("EMS_ANONYMOUS", "anonymous"),
+                         ("EMS_RESERVATION_TTL_S", "reservation_ttl_s"),
+                         ("EMS_LOG_LEVEL", "log_level")):
+            if env.get(var):
+                values[key] = _from_env(var, key, env[var])
+        quotas = dict(values.pop("quotas", {}))
+        for key in _FILE_KEYS - {"quotas"}:
+            if flags.get(key) is not None:
+                values[key] = flags[key]
+        for item in flags.get("quota") or ():
+            ident, sep, size = item.partition("=")
+            if not sep:
+                raise invalid(f"--quota takes ID=SIZE, got {item!r}")
+            quotas[ident.strip()] = size.strip()
+        return cls._build(values, quotas)
+
+    @classmethod
+    def _build(cls, v: dict[str, Any], quotas: dict[str, Any]) -> "ServerConfig":
+        kw: dict[str, Any] = {}
+        if "socket_dir" in v:
+            kw["socket_dir"] = _str(v["socket_dir"], "socket_dir")
+        if "capacity" in v:
+            kw["capacity_bytes"] = parse_bytes(v["capacity"], "capacity")
+        if "tenants_file" in v:
+            kw["tenants_file"] = _str(v["tenants_file"], "tenants_file")
+        if "anonymous" in v:
+            if not isinstance(v["anonymous"], bool):
+                raise invalid(f"anonymous must be true or false, got {v['anonymous']!r}")
+            kw["anonymous"] = v["anonymous"]
+        if "anonymous_quota" in v:
+            kw["anonymous_quota_bytes"] = parse_bytes(v["anonymous_quota"], "anonymous_quota")
+        if "reservation_ttl_s" in v:
+            ttl = v["reservation_ttl_s"]
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+                raise invalid(f"reservation_ttl_s must be a number, got {ttl!r}")
+            kw["reservation_ttl_s"] = float(ttl)
+        if "socket_mode" in v:
+            kw["socket_mode"] = _mode(v["socket_mode"])
+        if "log_level" in v:
+            kw["log_level"] = _str(v["log_level"], "log_level").upper()
+        kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}
+        return cls(**kw)
+
+
+def _str(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{field} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _mode(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(str(value), 8)
+    except ValueError:
+        raise invalid(f"socket_mode must be an octal permission like \"0660\", "
+                      f"got {value!r}") from None
+
+
+def _from_env(var: str, key: str, text: str) -> Any:
+    if key == "anonymous":
+        low = text.strip().lower()
+        if low not in ("0", "1", "true", "false", "yes", "no"):
+            raise invalid(f"{var} must be 1 or 0, got {text!r}")
+        return low in ("1", "true", "yes")
+    if key == "reservation_ttl_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise invalid(f"{var} must be a number of seconds, got {text!r}") from None
+    return text
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Parse a TOML file (``tomllib``, or ``tomli`` before Python 3.11)."""
+    try:
+        import tomllib  # type: ignore[import-not-found]
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            raise invalid(f"reading {path} needs Python 3.11+ or the tomli package") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise invalid(f"cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise invalid(f"{path} is not valid TOML: {exc}") from exc
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    data = read_toml(path)
+    unknown = sorted(set(data) - _FILE_KEYS)
+    if unknown:
+        raise invalid(f"{path}: unknown key(s) {', '.join(unknown)}; known: "
+                      f"{', '.join(sorted(_FILE_KEYS))}")
+    if "quotas" in data and not isinstance(data["quotas"], dict):
+        raise invalid(f"{path}: quotas must be a table of access_id = size")
+    return data
+
+
+def _check_id(ident: str, where: str) -> None:
+    try:
+        validate_ems_config(EmsConfig(access_id=ident, access_key="A" * 32))
+    except EmsException as exc:
+        raise invalid(f"{where}: {ident!r} is not a valid access_id ({exc.message()})") from None
+
+
+# ----------------------------------------------------------------------- tenants
+
+@dataclasses.dataclass(frozen=True)
+class TenantSpec:
+    """One namespace: ``access_id`` None is the anonymous one."""
+
+    access_id: Optional[str]
+    access_key: Optional[str] = dataclasses.field(repr=False)
+    quota_bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.access_id if self.access_id is not None else ANONYMOUS
+
+
+def load_tenants(path: str) -> dict[str, str]:
+    """Read a tenants file: ``access_id -> access_key``.
+
+    The file is TOML with one table::
+
+        [tenants]
+        team-a = "k3Y...32 to 256 chars of 0-9 A-Z a-z + / =..."
+
+    It must be a regular file that neither group nor others can read or write
+    (``chmod 600``); otherwise the daemon refuses to start. Ids and keys follow the
+    rules of ``EmsConfig`` (so a client can present them).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise invalid(f"tenants file {path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise invalid(f"tenants file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise invalid(f"tenants file {path} has mode {stat.S_IMODE(st.st_mode):04o}; it "
+                      f"holds secrets and must be 0600 (chmod 600 {path})")
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"tenants"})
+    if unknown or not isinstance(data.get("tenants", {}), dict):
+        raise invalid(f"tenants file {path}: expected one [tenants] table of "
+                      f"access_id = \"access_key\" (unknown: {', '.join(unknown) or '-'})")
+    tenants: dict[str, str] = {}
+    for ident, key in data.get("tenants", {}).items():
+        try:
+            validate_ems_config(EmsConfig(access_id=ident, access_key=key))
+        except EmsException as exc:
+            raise invalid(f"tenants file {path}: tenant {ident!r}: {exc.message()}") from None
+        tenants[ident] = key
+    return tenants
+
+
+def resolve_quotas(config: ServerConfig, tenants: Mapping[str, str]) -> list[TenantSpec]:
+    """Give every namespace its pool size (see the module docstring)."""
+    unknown = sorted(set(config.quotas_bytes) - set(tenants))
+    if unknown:
+        raise invalid(f"quotas name access_id(s) not in the tenants file: {', '.join(unknown)}")
+    explicit: dict[Optional[str], int] = dict(config.quotas_bytes)
+    members: list[Optional[str]] = sorted(tenants)
+    if config.anonymous:
+        members.append(None)
+        if config.anonymous_quota_bytes is not None:
+            explicit[None] = config.anonymous_quota_bytes
+    if not members:
+        raise invalid("no tenants file and anonymous access disabled: nobody could connect")
+    fixed = sum(explicit.values())
+    if fixed > config.capacity_bytes:
+        raise invalid(f"quotas add up to {fixed} bytes, more than capacity "
+                      f"{config.capacity_bytes}")
+    shared = [m for m in members if m not in explicit]
+    share = (config.capacity_bytes - fixed) // len(shared) if shared else 0
+    if shared and share < (1 << 20):
+        raise invalid(f"capacity leaves {share} bytes each to the {len(shared)} namespace(s) "
+                      f"without a quota; raise capacity or set quotas")
+    return [TenantSpec(m, None if m is None else tenants[m], explicit.get(m, share))
+            for m in members]
+
+
+def configure_logging(level: str) -> None:
+    """The daemon's handler (the library itself never configures logging)."""
+    logging.basicConfig(level=getattr(logging, level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

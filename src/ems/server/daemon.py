@@ -1,0 +1,496 @@
+"""The ems-server event loop: one thread, one selector, every pool owned by it.
+
+The daemon only moves control messages; the bytes go through each tenant's memfd,
+which clients map and copy into directly. The pool core is synchronous, so handling a
+request is a few dictionary operations done inline; no request ever waits for another.
+
+A connection goes through these phases::
+
+    accept --> HELLO --(anonymous / admin)-----------------------> READY --> closed
+                 |                                                   ^
+                 +--(access_id)--> AUTH --(HMAC of nonce correct)----+
+                 |                  |
+                 +------------------+--(refused, malformed, timeout)--> closed
+
+Whatever closes a connection (EOF, a malformed or wrong-version frame, a client that
+does not read its replies, a handshake not finished within ``HANDSHAKE_TIMEOUT_S``),
+``Pool.drop_owner`` then gives back its pins and reservations, and the other
+connections are not affected. A timer calls ``Pool.expire`` so a reservation whose
+writer hangs is freed after the reservation TTL.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import fcntl
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import stat
+import struct
+import time
+from typing import Any, Optional
+
+from ems.errors import EmsErrorCode, EmsException
+from ems.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode
+from ems.protocol import messages as m
+from ems.server.config import ServerConfig
+from ems.server.tenants import Tenant, TenantRegistry
+
+__all__ = ["Daemon", "DaemonError"]
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_FRAME_BYTES = 4096  # no handshake message is bigger; limits unauthenticated memory
+MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is dropped
+_RECV_BYTES = 256 << 10
+_PEERCRED = struct.Struct("3i")
+
+
+class DaemonError(Exception):
+    """The daemon cannot start (message says why and what to do)."""
+
+
+class _Phase(enum.Enum):
+    HELLO = "hello"
+    AUTH = "auth"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+@dataclasses.dataclass(eq=False)
+class _Conn:
+    id: int
+    sock: socket.socket
+    pid: int
+    uid: int
+    opened_at: float
+    phase: _Phase = _Phase.HELLO
+    tenant: Optional[Tenant] = None
+    admin: bool = False
+    access_id: Optional[str] = None
+    nonce: bytes = b""
+    decoder: FrameDecoder = dataclasses.field(
+        default_factory=lambda: FrameDecoder(HANDSHAKE_FRAME_BYTES))
+    out: collections.deque = dataclasses.field(default_factory=collections.deque)
+    out_bytes: int = 0
+    writing: bool = False
+
+    def __str__(self) -> str:
+        who = self.tenant.name if self.tenant else ("admin" if self.admin else "-")
+        return f"connection {self.id} (pid {self.pid}, uid {self.uid}, tenant {who})"
+
+
+class Daemon:
+    """Listen on ``config.socket_path`` and serve the pools of ``registry``."""
+
+    def __init__(self, config: ServerConfig, registry: TenantRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self.path = config.socket_path
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[int, _Conn] = {}
+        self._ids = 0
+        self._listener: Optional[socket.socket] = None
+        self._lock_fd = -1
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
+        self._stopping = False
+        self._started = time.monotonic()
+        self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
+
+    # ------------------------------------------------------------ start / stop
+    def start(self) -> None:
+        """Take the socket (refusing a live daemon, replacing a stale socket file)."""
+        path = self.path
+        if len(os.fsencode(path)) > 107:
+            raise DaemonError(f"socket path {path} is longer than the 107 bytes a unix "
+                              f"socket allows; use a shorter socket_dir")
+        try:
+            os.makedirs(self.config.socket_dir, mode=0o770, exist_ok=True)
+        except OSError as exc:
+            raise DaemonError(f"cannot create socket_dir {self.config.socket_dir}: "
+                              f"{exc.strerror}") from exc
+        # One daemon per directory: an flock on the directory itself (released by the
+        # kernel when a daemon dies, and it leaves no file behind).
+        self._lock_fd = os.open(self.config.socket_dir, os.O_RDONLY | os.O_DIRECTORY |
+                                os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._release_lock()
+            raise DaemonError(f"another ems-server is running on {path}; stop it first "
+                              f"(or give this one another socket_dir)") from None
+        try:
+            self._take_socket(path)
+        except BaseException:
+            self._release_lock()
+            raise
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._started = time.monotonic()
+
+    def _take_socket(self, path: str) -> None:
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise DaemonError(f"{path} exists and is not a socket; refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+            except OSError:
+                logger.info("ems-server: replacing the stale socket %s", path)
+                os.unlink(path)
+            else:
+                raise DaemonError(f"a process is serving {path} already; refusing to start")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~self.config.socket_mode)
+        try:
+            listener.bind(path)
+        except OSError as exc:
+            listener.close()
+            raise DaemonError(f"cannot bind {path}: {exc.strerror}") from exc
+        finally:
+            os.umask(old)
+        os.chmod(path, self.config.socket_mode)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._inode = os.stat(path).st_ino
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (signal-safe)."""
+        self._stopping = True
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:
+                pass
+
+    def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT or :meth:`request_stop`, then clean up."""
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda *_: self.request_stop())
+        try:
+            next_tick = time.monotonic() + self._tick_s
+            while not self._stopping:
+                events = self._sel.select(max(0.0, next_tick - time.monotonic()))
+                for key, mask in events:
+                    self._dispatch(key.data, mask)
+                if time.monotonic() >= next_tick:
+                    self._tick()
+                    next_tick = time.monotonic() + self._tick_s
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.close()
+
+    def close(self) -> None:
+        """Close every connection, remove the socket, free the pools' memory."""
+        for conn in list(self._conns.values()):
+            self._close(conn, "ems-server is stopping")
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:  # only our own socket: a successor may have replaced it
+                if os.stat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+        for s in (self._wake_r, self._wake_w):
+            if s is not None:
+                try:
+                    self._sel.unregister(s)
+                except (KeyError, ValueError):
+                    pass
+                s.close()
+        self._wake_r = self._wake_w = None
+        self.registry.close()
+        self._release_lock()
+        self._sel.close()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # ------------------------------------------------------------ loop
+    def _dispatch(self, data: Any, mask: int) -> None:
+        if data == "listen":
+            self._accept()
+        elif data == "wake":
+            try:
+                self._wake_r.recv(4096)  # type: ignore[union-attr]
+            except OSError:
+                pass
+        else:
+            conn: _Conn = data
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and conn.phase is not _Phase.CLOSED:
+                self._on_readable(conn)
+
+    def _tick(self) -> None:
+        freed = self.registry.expire()
+        if freed:
+            logger.info("ems-server: freed %d reservation(s) older than %.1f s (writer gone "
+                        "or stuck)", freed, self.config.reservation_ttl_s)
+        limit = time.monotonic() - HANDSHAKE_TIMEOUT_S
+        for conn in list(self._conns.values()):
+            if conn.phase in (_Phase.HELLO, _Phase.AUTH) and conn.opened_at < limit:
+                self._fail(conn, EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
+                                              "handshake not finished in time"))
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: keep serving the others
+                logger.warning("ems-server: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, _gid = _PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                pid = uid = -1
+            self._ids += 1
+            conn = _Conn(self._ids, sock, pid, uid, time.monotonic())
+            self._conns[conn.id] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            logger.debug("ems-server: %s opened", conn)
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(conn, f"receive failed: {exc}")
+            return
+        if not data:
+            self._close(conn, "closed by the client")
+            return
+        conn.decoder.feed(data)
+        try:
+            for msg in conn.decoder:
+                self._handle(conn, msg)
+                if conn.phase is _Phase.CLOSED:
+                    return
+        except EmsException as exc:
+            self._fail(conn, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop the daemon
+            logger.exception("ems-server: internal error on %s", conn)
+            self._fail(conn, EmsException(EmsErrorCode.EMS_INTERNAL_ERROR,
+                                          f"internal error: {type(exc).__name__}"))
+
+    # ------------------------------------------------------------ output
+    def _send(self, conn: _Conn, msg: m.Message, fds: tuple[int, ...] = ()) -> None:
+        data = encode(msg)
+        conn.out.append([memoryview(data), fds])
+        conn.out_bytes += len(data)
+        if conn.out_bytes > MAX_PENDING_OUTPUT:
+            self._close(conn, "the client does not read its replies")
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            item = conn.out[0]
+            data, fds = item
+            try:
+                if fds:
+                    n = socket.send_fds(conn.sock, [data], list(fds))
+                else:
+                    n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            conn.out_bytes -= n
+            if n < len(data):
+                item[0], item[1] = data[n:], ()  # ancillary data went with the first byte
+                break
+            conn.out.popleft()
+        want = bool(conn.out)
+        if want != conn.writing and conn.phase is not _Phase.CLOSED:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            self._sel.modify(conn.sock, events, conn)
+            conn.writing = want
+
+    def _fail(self, conn: _Conn, exc: EmsException) -> None:
+        """Tell the client why (best effort), then close its connection."""
+        if conn.phase is _Phase.CLOSED:
+            return
+        logger.warning("ems-server: closing %s: %s", conn, exc)
+        try:
+            conn.sock.send(encode(m.Error(0, exc.status_code().value, exc.message())))
+        except OSError:
+            pass
+        self._close(conn, exc.message())
+
+    def _close(self, conn: _Conn, why: str) -> None:
+        if conn.phase is _Phase.CLOSED:
+            return
+        conn.phase = _Phase.CLOSED
+        self._conns.pop(conn.id, None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        conn.out.clear()
+        if conn.tenant is not None:
+            conn.tenant.pool.drop_owner(conn.id)
+            conn.tenant.connections -= 1
+        logger.debug("ems-server: %s closed: %s", conn, why)
+
+    # ------------------------------------------------------------ messages
+    def _handle(self, conn: _Conn, msg: m.Message) -> None:
+        if conn.phase is _Phase.READY:
+            self._request(conn, msg)
+        elif conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
+            self._hello(conn, msg)
+        elif conn.phase is _Phase.AUTH and isinstance(msg, m.Auth):
+            self._auth(conn, msg)
+        else:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               f"unexpected {type(msg).__name__} during {conn.phase.value}")
+
+    def _refuse(self, conn: _Conn, message: str) -> None:
+        logger.warning("ems-server: refused %s: %s", conn, message)
+        self._send(conn, m.Error(0, EmsErrorCode.EMS_AUTH_FAILED.value, message))
+        self._close(conn, message)
+
+    def _hello(self, conn: _Conn, hello: m.Hello) -> None:
+        if hello.admin:
+            if conn.uid not in (0, os.getuid()):
+                self._refuse(conn, "admin sessions are for the daemon's user and root")
+                return
+            conn.admin = True
+            self._welcome(conn, None)
+        elif hello.access_id is None:
+            tenant = self.registry.anonymous
+            if tenant is None:
+                self._refuse(conn, "anonymous access is disabled on this ems-server; "
+                                   "set EmsConfig.access_id/access_key")
+                return
+            self._welcome(conn, tenant)
+        else:
+            conn.access_id = hello.access_id
+            conn.nonce = secrets.token_bytes(32)
+            conn.phase = _Phase.AUTH
+            self._send(conn, m.Challenge(conn.nonce))
+
+    def _auth(self, conn: _Conn, auth: m.Auth) -> None:
+        assert conn.access_id is not None
+        tenant = self.registry.verify(conn.access_id, conn.nonce, auth.mac)
+        if tenant is None:
+            self._refuse(conn, f"access_id {conn.access_id!r} with this access_key is "
+                               f"refused by ems-server")
+            return
+        self._welcome(conn, tenant)
+
+    def _welcome(self, conn: _Conn, tenant: Optional[Tenant]) -> None:
+        conn.phase = _Phase.READY
+        conn.decoder.max_frame_bytes = MAX_FRAME_BYTES
+        server = f"ems-server pid {os.getpid()} protocol {PROTOCOL_VERSION}"
+        ttl = self.config.reservation_ttl_s
+        if tenant is None:
+            self._send(conn, m.Welcome("", 0, 0, ttl, server))
+        else:
+            conn.tenant = tenant
+            tenant.connections += 1
+            self._send(conn, m.Welcome(tenant.name, tenant.segment_id, tenant.segment_size,
+                                       ttl, server), fds=(tenant.fd,))
+        logger.debug("ems-server: %s ready", conn)
+
+    def _request(self, conn: _Conn, msg: m.Message) -> None:
+        if isinstance(msg, m.Ping):
+            self._send(conn, m.Pong(msg.rid))
+            return
+        if isinstance(msg, m.Stats):
+            self._send(conn, m.StatsReply(msg.rid, self.report(conn, msg.all_tenants)))
+            return
+        tenant = conn.tenant
+        if tenant is None:
+            rid = getattr(msg, "rid", None)
+            if rid is None:
+                return
+            self._send(conn, m.Error(rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+                                     "an admin session has no pool"))
+            return
+        pool, owner = tenant.pool, conn.id
+        if isinstance(msg, m.Reserve):
+            if any(size <= 0 for size in msg.sizes):
+                self._send(conn, m.Error(msg.rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+                                         "sizes must be > 0"))
+                return
+            grants = pool.reserve(msg.keys, msg.sizes, owner)
+            self._send(conn, m.Granted(msg.rid, [int(g.status) for g in grants],
+                                       [g.token for g in grants], [g.offset for g in grants],
+                                       [g.size for g in grants]))
+        elif isinstance(msg, m.Commit):
+            self._send(conn, m.Committed(msg.rid, pool.commit(msg.tokens, owner)))
+        elif isinstance(msg, m.Abort):
+            pool.abort(msg.tokens, owner)
+        elif isinstance(msg, m.Acquire):
+            pins = pool.acquire(msg.keys, msg.sizes, owner)
+            self._send(conn, m.Pinned(msg.rid, [p.token for p in pins],
+                                      [p.offset for p in pins], [p.size for p in pins]))
+        elif isinstance(msg, m.Release):
+            pool.release(msg.tokens, owner)
+        elif isinstance(msg, m.Exists):
+            self._send(conn, m.Count(msg.rid, pool.exists(msg.keys, msg.sizes)))
+        else:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               f"{type(msg).__name__} is not a request")
+
+    # ------------------------------------------------------------ statistics
+    def report(self, conn: Optional[_Conn] = None, all_tenants: bool = True) -> dict[str, Any]:
+        """Counters of the daemon and of each tenant (an admin sees every tenant,
+        a tenant only itself)."""
+        if conn is None or (conn.admin and all_tenants):
+            tenants = list(self.registry)
+        else:
+            tenants = [conn.tenant] if conn.tenant is not None else []
+        from ems import __version__
+        out: dict[str, Any] = {
+            "server": {
+                "pid": os.getpid(),
+                "version": __version__,
+                "protocol": PROTOCOL_VERSION,
+                "socket": self.path,
+                "uptime_s": round(time.monotonic() - self._started, 3),
+                "connections": len(self._conns),
+                "capacity_bytes": self.config.capacity_bytes,
+                "anonymous": self.registry.anonymous is not None,
+                "tenants": len(self.registry.named()),
+                "reservation_ttl_s": self.config.reservation_ttl_s,
+            },
+            "tenants": {},
+        }
+        for t in tenants:
+            st = t.pool.statistics()
+            row = dataclasses.asdict(st)
+            row["hit_rate"] = st.hit_rate
+            row["connections"] = t.connections
+            out["tenants"][t.name] = row
+        return out

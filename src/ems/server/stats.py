@@ -1,0 +1,77 @@
+"""``ems-server stats``: the daemon's counters as a table, or as JSON (``--json``).
+
+It opens an admin session, which the daemon grants without credentials to its own
+user and to root (it checks the peer's uid) and which sees every tenant. Tenants read
+their own counters through ``ContextCaching.statistics()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from ems.errors import EmsException
+
+__all__ = ["format_report", "main"]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable table of a statistics report."""
+    srv = report["server"]
+    lines = [(
+        f"ems-server {srv['version']} on {srv['socket']}: pid {srv['pid']}, "
+        f"up {srv['uptime_s']:.0f} s, {srv['connections']} connection(s), capacity "
+        f"{_size(srv['capacity_bytes'])}, {srv['tenants']} tenant(s), anonymous "
+        f"{'on' if srv['anonymous'] else 'off'}")]
+    head = ("tenant", "capacity", "used", "objects", "reserved", "pinned", "hit rate",
+            "evictions", "expired", "conns")
+    rows = [head]
+    for name, t in sorted(report["tenants"].items()):
+        rows.append((name, _size(t["capacity_bytes"]), _size(t["used_bytes"]),
+                     str(t["objects"]), str(t["reserved"]), str(t["pinned"]),
+                     f"{100 * t['hit_rate']:.1f}%", str(t["evictions"]),
+                     str(t["expired_reservations"]), str(t["connections"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ems.client.remote import server_report
+    from ems.client.singleton import SOCKET_NAME
+    from ems.config import PoolSettings
+
+    parser = argparse.ArgumentParser(
+        prog="ems-server stats", description="Print the counters of a running ems-server.")
+    parser.add_argument("--socket-dir", default=None,
+                        help="directory of ems.sock (default: $EMS_SOCKET_DIR or /dev/shm/ems)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--timeout-s", type=float, default=3.0,
+                        help="give up after this long (default 3)")
+    args = parser.parse_args(argv)
+    socket_dir = (args.socket_dir or os.environ.get("EMS_SOCKET_DIR")
+                  or PoolSettings().socket_dir)
+    path = os.path.join(socket_dir, SOCKET_NAME)
+    try:
+        report = server_report(path, args.timeout_s)
+    except EmsException as exc:
+        print(f"ems-server stats: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(format_report(report))
+    return 0

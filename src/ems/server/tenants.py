@@ -1,0 +1,99 @@
+"""Tenants: one pool and one memfd per namespace, and the challenge-response check.
+
+Each namespace (a tenant from the tenants file, or the anonymous one) owns a
+:class:`~ems.pool.core.Pool` sized by its quota and a memfd of the same size that
+holds its bytes. The memfd has no name in any filesystem (``memfd_create``), so it
+cannot be opened by guessing; the daemon hands it over (SCM_RIGHTS) only to
+connections that authenticated as that tenant. It is sealed against shrinking and
+growing, so no client can truncate it under the others (which would make their
+copies fault). The daemon itself never maps it: the pool core only does bookkeeping.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+import secrets
+from typing import Iterable, Optional
+
+from ems.pool.core import Pool
+from ems.protocol import auth_mac
+from ems.server.config import TenantSpec
+
+__all__ = ["Tenant", "TenantRegistry"]
+
+logger = logging.getLogger(__name__)
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class Tenant:
+    """A namespace's pool, memory and counters (owned by the daemon's loop)."""
+
+    def __init__(self, spec: TenantSpec, reservation_ttl_s: float) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.pool = Pool(spec.quota_bytes, reservation_ttl_s=reservation_ttl_s)
+        self.segment_size = self.pool.capacity_bytes
+        # A random id: segments of a restarted daemon never look like the old ones.
+        self.segment_id = secrets.randbits(48)
+        self.fd = os.memfd_create(f"ems-pool-{self.name}",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.segment_size)  # sparse: pages come when written
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.connections = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class TenantRegistry:
+    """All namespaces of the daemon, and who may enter which."""
+
+    def __init__(self, specs: Iterable[TenantSpec], reservation_ttl_s: float) -> None:
+        self._by_id: dict[Optional[str], Tenant] = {}
+        try:
+            for spec in specs:
+                self._by_id[spec.access_id] = Tenant(spec, reservation_ttl_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self):
+        return iter(self._by_id.values())
+
+    @property
+    def anonymous(self) -> Optional[Tenant]:
+        return self._by_id.get(None)
+
+    def named(self) -> list[str]:
+        return sorted(k for k in self._by_id if k is not None)
+
+    def verify(self, access_id: str, nonce: bytes, mac: bytes) -> Optional[Tenant]:
+        """The tenant whose key produced ``mac`` over ``nonce``; None otherwise.
+
+        An unknown access_id is checked against a random key, so the answer (and its
+        timing) does not tell which ids exist.
+        """
+        tenant = self._by_id.get(access_id)
+        key = tenant.spec.access_key if tenant is not None else None
+        expected = auth_mac(key or secrets.token_urlsafe(32), nonce, access_id)
+        if hmac.compare_digest(expected, mac) and tenant is not None:
+            return tenant
+        return None
+
+    def expire(self) -> int:
+        """Free reservations older than the TTL in every pool; how many were freed."""
+        return sum(t.pool.expire() for t in self._by_id.values())
+
+    def close(self) -> None:
+        for tenant in self._by_id.values():
+            tenant.close()
