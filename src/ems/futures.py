@@ -12,11 +12,11 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from ems.errors import EmsErrorCode, EmsException
 
-__all__ = ["CcFuture", "CcResult", "Task"]
+__all__ = ["Cancelled", "CcFuture", "CcResult", "Task"]
 
 
 class CcResult:
@@ -163,21 +163,3 @@ class CcFuture:
         state = "done" if self._task.done() else "pending"
         return f"<CcFuture {self._task.what} {state}>"
 
-
-def run_task(task: Task, body: Callable[[Task], CcResult], on_error: Callable[[BaseException], Any]
-             ) -> None:
-    """Run ``body`` for ``task`` on a worker thread, translating failures."""
-    if not task.start():
-        return
-    try:
-        result = body(task)
-    except Cancelled:
-        task.finish_cancelled()
-    except EmsException as exc:
-        task.finish(None, exc)
-    except BaseException as exc:  # noqa: BLE001 - a worker must never die silently
-        on_error(exc)
-        task.finish(None, EmsException(EmsErrorCode.EMS_INTERNAL_ERROR,
-                                       f"{task.what} failed: {type(exc).__name__}: {exc}"))
-    else:
-        task.finish(result, None)

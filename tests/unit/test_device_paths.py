@@ -145,3 +145,31 @@ def test_v1_copy_paths_agree(monkeypatch, native_on, aligned):
                     assert not flat_t[untouched].any()
     finally:
         Ems.finalize()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork with threads (3.12+)
+def test_requests_work_in_a_forked_child(monkeypatch):
+    """An engine that forks after Ems.init: the child gets worker threads of its own."""
+    import os
+    import numpy as np
+    from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper
+    monkeypatch.setenv("EMS_POOL", "embedded")
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    try:
+        cc = Ems.get_cc()
+        a = np.arange(256, dtype=np.uint8)
+        assert cc.save(CcKvOption(), ["before"], [[KvBufferWrapper(a.ctypes.data, 256)]]).success
+        pid = os.fork()
+        if pid == 0:  # child: must not hang; exit code says whether it worked
+            code = 1
+            try:
+                b = np.zeros(256, dtype=np.uint8)
+                r = cc.load(CcKvOption(timeout=5000), ["before"],
+                            [[KvBufferWrapper(b.ctypes.data, 256)]])
+                code = 0 if r.success == 1 and (b == a).all() else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        Ems.finalize()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -48,7 +49,9 @@ class ContextCaching:
         self._cc_config = cc_config
         self._cc_v1 = cc_config_v1
         self._tenant = tenant
+        self._workers = workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ems-cc")
+        self._pid = os.getpid()
         self._layout: Optional[RegisteredLayout] = None
         self._v1_prefix = ""
         self._lock = threading.Lock()
@@ -168,8 +171,11 @@ class ContextCaching:
 
     def _normalize(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
         self._check_open()
+        # V1's first positional argument is slot_mapping (a list, or a tensor/array);
+        # V0's is the option, so anything else there (None, a dict...) is a bad V0
+        # option and gets the V0 error that names ``option``.
         if any(w in kwargs for w in _V1_WORDS) or (
-                args and args[0] is not None and not isinstance(args[0], CcKvOption)):
+                args and (isinstance(args[0], (list, tuple)) or hasattr(args[0], "tolist"))):
             return self._normalize_v1(op, args, kwargs)
         return self._normalize_v0(op, args, kwargs)
 
@@ -221,6 +227,12 @@ class ContextCaching:
 
     def _submit(self, req: _keys.Request) -> CcFuture:
         task = Task(req.option.timeout, req.what)
+        if os.getpid() != self._pid:  # forked: the parent's worker threads are not here
+            with self._lock:
+                if os.getpid() != self._pid:
+                    self._executor = ThreadPoolExecutor(max_workers=self._workers,
+                                                        thread_name_prefix="ems-cc")
+                    self._pid = os.getpid()
         try:
             self._executor.submit(self._execute, task, req)
         except RuntimeError:  # executor shut down between the check and the submit

@@ -35,7 +35,12 @@ class Segment:
         key = (dtype, width)
         view = self._windows.get(key)
         if view is None:
-            flat = self.tensor().view(dtype)
+            whole = self.tensor()
+            # A segment whose size is not a multiple of the element size (an odd
+            # EMS_CAPACITY) cannot be viewed as ``dtype``; its tail is never allocated
+            # (the pool's capacity is rounded down to its alignment), so drop it.
+            item = whole[:0].view(dtype).element_size()
+            flat = whole[:whole.numel() - whole.numel() % item].view(dtype)
             view = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
             self._windows[key] = view
         return view

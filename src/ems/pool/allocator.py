@@ -72,6 +72,10 @@ class Allocator:
                 if bucket:
                     start = next(iter(bucket))
                     break
+        if start is None and len(self._buckets[first]) > _SCAN:
+            # Rare: only extents of this bucket are left; look at all of them before
+            # answering "no room" (which would make the pool evict).
+            start = next((c for c in self._buckets[first] if self._by_start[c] >= need), None)
         if start is None:
             return None
         size_free = self._remove_free(start)

@@ -123,28 +123,38 @@ class Pool:
         """Reserve space for each key (all or nothing per key, never per batch)."""
         now = self._clock()
         grants = []
-        for key, size in zip(keys, sizes):
-            obj = self._objects.get(key)
-            if obj is not None:
-                if obj.state is _State.COMMITTED:
-                    self._policy.touch(key)
-                    grants.append(Grant(GrantStatus.EXISTS, size=obj.size))
-                else:
-                    grants.append(Grant(GrantStatus.BUSY))
-                continue
-            if self.allocator.round_up(size) > self.capacity_bytes:
-                grants.append(Grant(GrantStatus.TOO_LARGE))
-                continue
-            offset = self._alloc(size)
-            if offset is None:
-                grants.append(Grant(GrantStatus.FULL))
-                continue
-            obj = _Object(key, offset, size, _State.RESERVED, owner,
-                          expires_at=now + self.reservation_ttl_s)
-            token = next(self._tokens)
-            self._objects[key] = obj
-            self._reservations[token] = obj
-            grants.append(Grant(GrantStatus.NEW, token, offset, size))
+        # Keys of this batch answered EXISTS count as stored: a later key of the same
+        # batch must not evict them to make room (it gets FULL instead), so they leave
+        # the policy until the batch is done, like the batch's own reservations.
+        held: list[Hashable] = []
+        try:
+            for key, size in zip(keys, sizes):
+                obj = self._objects.get(key)
+                if obj is not None:
+                    if obj.state is _State.COMMITTED:
+                        if obj.pins == 0:  # (pinned keys are out of the policy already)
+                            self._policy.remove(key)
+                            held.append(key)
+                        grants.append(Grant(GrantStatus.EXISTS, size=obj.size))
+                    else:
+                        grants.append(Grant(GrantStatus.BUSY))
+                    continue
+                if self.allocator.round_up(size) > self.capacity_bytes:
+                    grants.append(Grant(GrantStatus.TOO_LARGE))
+                    continue
+                offset = self._alloc(size)
+                if offset is None:
+                    grants.append(Grant(GrantStatus.FULL))
+                    continue
+                obj = _Object(key, offset, size, _State.RESERVED, owner,
+                              expires_at=now + self.reservation_ttl_s)
+                token = next(self._tokens)
+                self._objects[key] = obj
+                self._reservations[token] = obj
+                grants.append(Grant(GrantStatus.NEW, token, offset, size))
+        finally:
+            for key in held:  # back in, most recently used, in batch order
+                self._policy.insert(key)
         return grants
 
     def commit(self, tokens: Sequence[int], owner: Hashable = None) -> list[bool]:

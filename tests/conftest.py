@@ -1,0 +1,14 @@
+"""Fixtures for every test: ``Ems`` is a process-wide singleton, so each test ends
+with ``Ems.finalize()`` (idempotent), whatever it did."""
+
+from __future__ import annotations
+
+import pytest
+
+from ems import Ems
+
+
+@pytest.fixture(autouse=True)
+def _finalize_ems():
+    yield
+    Ems.finalize()

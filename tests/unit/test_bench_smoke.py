@@ -1,0 +1,78 @@
+"""`ems bench --quick` on the embedded pool only, so the bench cannot rot.
+
+Asserts structure (table rows, JSON keys), never speed: timings on a shared machine
+are noise. Runs the bench as a subprocess (its own process: the bench spawns workers,
+and pytest's warnings-as-errors must not judge third-party plotting code).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ems.bench.runner import main
+
+
+def test_bench_quick_embedded_only(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ems.bench", "--quick", "--systems", "embedded",
+         "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    data = json.loads((out / "bench.json").read_text())
+    for key in ("schema", "date", "elapsed_s", "machine", "ems", "args", "peers", "results",
+                "latency", "fill_series", "problems", "targets"):
+        assert key in data, key
+    assert data["machine"]["cpus"] >= 1
+    assert data["ems"]["version"]
+    assert data["args"]["systems"] == ["memcpy", "ems-embedded"]
+
+    rows = data["results"]
+    v0 = {(r["system"], r["op"], r["value_bytes"]) for r in rows if r["workload"] == "v0"}
+    sizes = {r["value_bytes"] for r in rows if r["workload"] == "v0"}
+    assert len(sizes) == 3
+    for size in sizes:
+        for system in ("memcpy", "ems-embedded"):
+            for op in ("save", "load"):
+                assert (system, op, size) in v0
+    for r in rows:
+        assert r["gbps"] > 0 and len(r["seconds"]) >= 1
+        assert r["ratio_to_memcpy"] is not None, r
+    workloads = {r["workload"] for r in rows}
+    assert {"v0", "fill", "scaling"} <= workloads
+    if importlib.util.find_spec("torch") is not None:
+        assert {r["system"] for r in rows if r["workload"] == "v1"} == {"memcpy",
+                                                                        "ems-embedded"}
+    assert {r["system"] for r in rows if r["workload"] == "fill"} == {"memcpy",
+                                                                      "ems-embedded"}
+    lat = {(x["system"], x["op"]): x for x in data["latency"]}
+    for op in ("save", "load"):
+        x = lat[("ems-embedded", op)]
+        assert x["n"] > 0 and 0 < x["p50_us"] <= x["p99_us"]
+        assert len(x["cdf_us"]) == 101
+    # the daemon was not asked for: the workload that needs it says so, not silently
+    assert any(p["system"] == "ems-daemon" and p["workload"] == "scaling"
+               for p in data["problems"])
+    assert {t["system"] for t in data["targets"]} == {"ems-embedded"}
+
+    table = proc.stdout
+    assert "| workload | case | system | op | GB/s | x memcpy |" in table
+    assert table.count("| v0 |") == 12  # 3 sizes x 2 systems x 2 ops
+    assert "| ems-embedded | save |" in table  # latency table
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").stat().st_size > 10_000
+    else:
+        assert "no plot: matplotlib is not installed" in table
+
+
+def test_bench_rejects_unknown_names():
+    with pytest.raises(SystemExit, match="unknown system 'memcache'"):
+        main(["--systems", "memcache"])
+    with pytest.raises(SystemExit, match="unknown workload"):
+        main(["--workloads", "v9"])

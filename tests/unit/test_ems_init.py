@@ -1,0 +1,293 @@
+"""``Ems``: config validation (one row per rule of the spec), the init lifecycle and
+pool selection from the environment."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ems import (
+    CcConfig,
+    CcConfig_v1,
+    CcKvOption,
+    Ems,
+    EmsConfig,
+    EmsErrorCode,
+    EmsException,
+    KVCacheType,
+)
+
+KEY32 = "A" * 32
+GOOD_KEY = "0123456789abcdefABCDEF+/=" + "x" * 20
+
+
+def cc0(**kw) -> CcConfig:
+    base = dict(rank_id=0, device_id=0, model_id="llama2-13b")
+    base.update(kw)
+    return CcConfig(**base)
+
+
+def cc1(**kw) -> CcConfig_v1:
+    base = dict(rank_id=0, device_id=0, model_id="llama2-13b")
+    base.update(kw)
+    return CcConfig_v1(**base)
+
+
+def with_attr(cfg, **attrs):
+    for k, v in attrs.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+# (id, config factory, a substring the message must contain: the field's name)
+INVALID = [
+    ("config-none", lambda: None, "config"),
+    ("config-wrong-type", lambda: {"cc_config": cc0()}, "config"),
+    # access_id / access_key
+    ("id-without-key", lambda: EmsConfig(access_id="tenant"), "access_key"),
+    ("key-without-id", lambda: EmsConfig(access_key=GOOD_KEY), "access_id"),
+    ("id-empty", lambda: EmsConfig(access_id="", access_key=GOOD_KEY), "access_id"),
+    ("id-uppercase", lambda: EmsConfig(access_id="Tenant", access_key=GOOD_KEY), "access_id"),
+    ("id-space", lambda: EmsConfig(access_id="a b", access_key=GOOD_KEY), "access_id"),
+    ("id-slash", lambda: EmsConfig(access_id="a/b", access_key=GOOD_KEY), "access_id"),
+    ("id-513", lambda: EmsConfig(access_id="a" * 513, access_key=GOOD_KEY), "access_id"),
+    ("id-not-str", lambda: EmsConfig(access_id=123, access_key=GOOD_KEY), "access_id"),
+    ("key-31", lambda: EmsConfig(access_id="t", access_key="A" * 31), "access_key"),
+    ("key-257", lambda: EmsConfig(access_id="t", access_key="A" * 257), "access_key"),
+    ("key-dash", lambda: EmsConfig(access_id="t", access_key=KEY32[:-1] + "-"), "access_key"),
+    ("key-not-str", lambda: EmsConfig(access_id="t", access_key=10 ** 40), "access_key"),
+    # CcConfig
+    ("cc-wrong-type", lambda: EmsConfig(cc_config={"rank_id": 0}), "cc_config"),
+    ("rank-negative", lambda: EmsConfig(cc_config=cc0(rank_id=-1)), "cc_config.rank_id"),
+    ("rank-str", lambda: EmsConfig(cc_config=cc0(rank_id="0")), "cc_config.rank_id"),
+    ("rank-float", lambda: EmsConfig(cc_config=cc0(rank_id=1.0)), "cc_config.rank_id"),
+    ("rank-bool", lambda: EmsConfig(cc_config=cc0(rank_id=True)), "cc_config.rank_id"),
+    ("rank-none", lambda: EmsConfig(cc_config=cc0(rank_id=None)), "cc_config.rank_id"),
+    ("device-negative", lambda: EmsConfig(cc_config=cc0(device_id=-1)),
+     "cc_config.device_id"),
+    ("device-str", lambda: EmsConfig(cc_config=cc0(device_id="npu:1")),
+     "cc_config.device_id"),
+    ("model-empty", lambda: EmsConfig(cc_config=cc0(model_id="")), "cc_config.model_id"),
+    ("model-uppercase", lambda: EmsConfig(cc_config=cc0(model_id="Llama2")),
+     "cc_config.model_id"),
+    ("model-513", lambda: EmsConfig(cc_config=cc0(model_id="m" * 513)), "cc_config.model_id"),
+    ("model-not-str", lambda: EmsConfig(cc_config=cc0(model_id=13)), "cc_config.model_id"),
+    ("model-none", lambda: EmsConfig(cc_config=cc0(model_id=None)), "cc_config.model_id"),
+    ("tp-zero", lambda: EmsConfig(cc_config=cc0(tp_world_size=0)), "cc_config.tp_world_size"),
+    ("tp-str", lambda: EmsConfig(cc_config=cc0(tp_world_size="2")),
+     "cc_config.tp_world_size"),
+    ("pp-zero", lambda: EmsConfig(cc_config=cc0(pp_world_size=0)), "cc_config.pp_world_size"),
+    ("pp-negative", lambda: EmsConfig(cc_config=cc0(pp_world_size=-2)),
+     "cc_config.pp_world_size"),
+    # CcConfig_v1
+    ("v1-plain-cc", lambda: EmsConfig(cc_config_v1=cc0()), "cc_config_v1"),
+    ("v1-rank-negative", lambda: EmsConfig(cc_config_v1=cc1(rank_id=-1)),
+     "cc_config_v1.rank_id"),
+    ("v1-model", lambda: EmsConfig(cc_config_v1=cc1(model_id="A")), "cc_config_v1.model_id"),
+    ("v1-tp-zero", lambda: EmsConfig(cc_config_v1=cc1(tp_world_size=0)),
+     "cc_config_v1.tp_world_size"),
+    ("v1-tp-rank-equal-tp", lambda: EmsConfig(cc_config_v1=cc1(tp_world_size=2,
+                                                                rank_in_tp_group=2)),
+     "cc_config_v1.rank_in_tp_group"),
+    ("v1-tp-rank-negative", lambda: EmsConfig(cc_config_v1=cc1(rank_in_tp_group=-1)),
+     "cc_config_v1.rank_in_tp_group"),
+    ("v1-tp-rank-default-tp", lambda: EmsConfig(cc_config_v1=cc1(rank_in_tp_group=1)),
+     "cc_config_v1.rank_in_tp_group"),
+    ("v1-pp-rank-equal-pp", lambda: EmsConfig(cc_config_v1=cc1(pp_world_size=4,
+                                                                rank_in_pp_group=4)),
+     "cc_config_v1.rank_in_pp_group"),
+    ("v1-pp-rank-str", lambda: EmsConfig(cc_config_v1=cc1(rank_in_pp_group="0")),
+     "cc_config_v1.rank_in_pp_group"),
+    ("v1-engine-empty", lambda: EmsConfig(cc_config_v1=cc1(llm_engine="")),
+     "cc_config_v1.llm_engine"),
+    ("v1-engine-not-str", lambda: EmsConfig(cc_config_v1=cc1(llm_engine=None)),
+     "cc_config_v1.llm_engine"),
+    ("v1-engine-513", lambda: EmsConfig(cc_config_v1=cc1(llm_engine="e" * 513)),
+     "cc_config_v1.llm_engine"),
+    ("v1-kvcache-type", lambda: EmsConfig(cc_config_v1=with_attr(cc1(), kvcache_type="XLA")),
+     "cc_config_v1.kvcache_type"),
+    ("v1-kvcache-type-lower", lambda: EmsConfig(cc_config_v1=cc1(kvcache_type="mla")),
+     "cc_config_v1.kvcache_type"),
+    ("v1-kvcache-type-none", lambda: EmsConfig(cc_config_v1=cc1(kvcache_type=None)),
+     "cc_config_v1.kvcache_type"),
+]
+
+
+@pytest.mark.parametrize("make, field", [r[1:] for r in INVALID], ids=[r[0] for r in INVALID])
+def test_invalid_config_is_rejected_naming_the_field(make, field):
+    config = make()
+    with pytest.raises(EmsException) as info:
+        Ems.init(config)
+    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert field in info.value.message(), info.value.message()
+    assert Ems.get_cc() is None
+    assert Ems.check_health() is False
+
+
+VALID = [
+    ("no-cc", lambda: EmsConfig()),
+    ("seed-rank-8", lambda: EmsConfig(cc_config=cc0(rank_id=8))),
+    ("id-min", lambda: EmsConfig(access_id="a", access_key=KEY32, cc_config=cc0())),
+    ("id-charset-max", lambda: EmsConfig(access_id=("0-9._az" * 80)[:512],
+                                         access_key=GOOD_KEY, cc_config=cc0())),
+    ("key-256", lambda: EmsConfig(access_id="t", access_key="+/=" + "a" * 253)),
+    ("model-512", lambda: EmsConfig(cc_config=cc0(model_id="m._-9" * 100 + "ab"))),
+    ("tp-pp", lambda: EmsConfig(cc_config=cc0(tp_world_size=8, pp_world_size=2))),
+    ("v1", lambda: EmsConfig(cc_config_v1=cc1(tp_world_size=4, rank_in_tp_group=3,
+                                             pp_world_size=2, rank_in_pp_group=1,
+                                             llm_engine="vllm@my-service"))),
+    ("v1-mla-str", lambda: EmsConfig(cc_config_v1=cc1(kvcache_type="MLA"))),
+    ("v1-mla-attr", lambda: EmsConfig(cc_config_v1=with_attr(cc1(),
+                                                             kvcache_type=KVCacheType.MLA))),
+    ("v0-and-v1", lambda: EmsConfig(cc_config=cc0(), cc_config_v1=cc1())),
+]
+
+
+@pytest.mark.parametrize("make", [r[1] for r in VALID], ids=[r[0] for r in VALID])
+def test_valid_config_is_accepted(make):
+    config = make()
+    Ems.init(config)
+    assert Ems.check_health() is True
+    has_cc = config.cc_config is not None or config.cc_config_v1 is not None
+    assert (Ems.get_cc() is not None) is has_cc
+
+
+def test_kvcache_type_string_is_normalised_to_the_enum():
+    cfg = cc1(kvcache_type="GQA")
+    Ems.init(EmsConfig(cc_config_v1=cfg))
+    assert cfg.kvcache_type is KVCacheType.GQA
+
+
+def test_get_cc_and_health_before_init():
+    assert Ems.get_cc() is None
+    assert Ems.check_health() is False
+
+
+def test_init_is_retryable_after_a_failure():
+    with pytest.raises(EmsException):
+        Ems.init(EmsConfig(cc_config=cc0(rank_id=-1)))
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert Ems.get_cc() is not None
+
+
+def test_init_is_retryable_after_a_pool_failure(monkeypatch):
+    monkeypatch.setenv("EMS_POOL", "nonsense")
+    with pytest.raises(EmsException) as info:
+        Ems.init(EmsConfig(cc_config=cc0()))
+    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert "EMS_POOL" in info.value.message()
+    assert Ems.get_cc() is None
+    monkeypatch.setenv("EMS_POOL", "embedded")
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert Ems.get_cc() is not None
+
+
+def test_same_config_twice_is_a_no_op():
+    Ems.init(EmsConfig(cc_config=cc0()))
+    cc = Ems.get_cc()
+    Ems.init(EmsConfig(cc_config=cc0()))  # equal, not identical
+    assert Ems.get_cc() is cc
+
+
+def test_different_config_is_already_initialized():
+    Ems.init(EmsConfig(cc_config=cc0()))
+    cc = Ems.get_cc()
+    with pytest.raises(EmsException) as info:
+        Ems.init(EmsConfig(cc_config=cc0(rank_id=1)))
+    assert info.value.status_code() is EmsErrorCode.EMS_ALREADY_INITIALIZED
+    assert Ems.get_cc() is cc and Ems.check_health()
+
+
+def test_invalid_config_after_init_keeps_the_session():
+    Ems.init(EmsConfig(cc_config=cc0()))
+    cc = Ems.get_cc()
+    with pytest.raises(EmsException) as info:
+        Ems.init(EmsConfig(cc_config=cc0(model_id="")))
+    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert Ems.get_cc() is cc
+
+
+def test_finalize_and_reinit():
+    Ems.finalize()  # idempotent, also before init
+    Ems.init(EmsConfig(cc_config=cc0()))
+    old = Ems.get_cc()
+    Ems.finalize()
+    Ems.finalize()
+    assert Ems.get_cc() is None and Ems.check_health() is False
+    # the old object refuses work with a clear error
+    with pytest.raises(EmsException) as info:
+        old.save(CcKvOption(), ["k"], [[__import__("ems").KvBufferWrapper(4096, 8)]])
+    assert info.value.status_code() is EmsErrorCode.EMS_NOT_INITIALIZED
+    Ems.init(EmsConfig(cc_config=cc0(rank_id=3)))
+    assert Ems.get_cc() is not None and Ems.get_cc() is not old
+
+
+def test_check_health_never_raises(monkeypatch):
+    Ems.init(EmsConfig(cc_config=cc0()))
+    transport = Ems.get_cc()._transport
+
+    def boom():
+        raise OSError("socket gone")
+
+    monkeypatch.setattr(transport, "health", boom)
+    assert Ems.check_health() is False
+
+
+def test_server_mode_without_daemon_fails_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("EMS_POOL", "server")
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("EMS_CONNECT_TIMEOUT_MS", "500")
+    start = time.monotonic()
+    with pytest.raises(EmsException) as info:
+        Ems.init(EmsConfig(cc_config=cc0()))
+    assert time.monotonic() - start < 10
+    assert info.value.status_code() in (EmsErrorCode.EMS_UNAVAILABLE,
+                                        EmsErrorCode.EMS_IO_ERROR,
+                                        EmsErrorCode.EMS_IO_TIMEOUT)
+    assert info.value.message()
+    assert Ems.get_cc() is None and Ems.check_health() is False
+    monkeypatch.setenv("EMS_POOL", "embedded")  # retry on another pool works
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert Ems.check_health()
+
+
+def test_auto_mode_without_socket_uses_the_embedded_pool(monkeypatch, tmp_path):
+    monkeypatch.setenv("EMS_POOL", "auto")
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(tmp_path / "absent"))
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert Ems.get_cc()._transport.kind == "embedded"
+
+
+@pytest.mark.parametrize("var, value", [
+    ("EMS_POOL", "bogus"),
+    ("EMS_CAPACITY", "lots"),
+    ("EMS_CAPACITY", "0"),
+    ("EMS_WORKERS", "0"),
+    ("EMS_WORKERS", "four"),
+    ("EMS_CONNECT_TIMEOUT_MS", "-1"),
+])
+def test_bad_environment_is_invalid(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(EmsException) as info:
+        Ems.init(EmsConfig(cc_config=cc0()))
+    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert var in info.value.message()
+    assert Ems.get_cc() is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096", 4096), ("1k", 1024), ("1M", 1 << 20), ("64m", 64 << 20), ("2G", 2 << 30),
+    ("512MiB", 512 << 20), ("3 mb", 3 << 20), (123, 123),
+])
+def test_parse_bytes(text, expected):
+    from ems.config import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+def test_capacity_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EMS_CAPACITY", "2M")
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert Ems.get_cc().statistics().capacity_bytes == 2 << 20
+

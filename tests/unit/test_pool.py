@@ -1,0 +1,271 @@
+"""The pool core (no I/O, fake clock): write-once reservations, visibility at commit,
+pins, LRU eviction, reservation TTL, owners, statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from ems.pool import GrantStatus, LruPolicy, Pool
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pool(clock) -> Pool:
+    p = Pool(64 * 16, reservation_ttl_s=10.0, clock=clock)
+    yield p
+    p.allocator.check()
+
+
+def put(pool: Pool, key, size=64, owner=None) -> None:
+    (g,) = pool.reserve([key], [size], owner)
+    assert g.status is GrantStatus.NEW
+    assert pool.commit([g.token], owner) == [True]
+
+
+# ----------------------------------------------------------------- LRU policy
+
+def test_lru_policy_order():
+    lru = LruPolicy()
+    assert lru.victim() is None and len(lru) == 0
+    for k in "abc":
+        lru.insert(k)
+    assert lru.victim() == "a"
+    lru.touch("a")
+    assert lru.victim() == "b"
+    lru.remove("b")
+    lru.remove("zzz")  # absent: no error
+    lru.touch("zzz")  # absent: not inserted
+    assert lru.victim() == "c" and len(lru) == 2
+    lru.insert("c")  # re-insert moves to the end
+    assert lru.victim() == "a"
+
+
+# ----------------------------------------------------------------- writes and reads
+
+def test_reserve_commit_acquire_release(pool):
+    (g,) = pool.reserve(["k"], [100], owner="w")
+    assert g.status is GrantStatus.NEW and g.size == 100 and g.offset % 64 == 0
+    assert pool.statistics().reserved == 1
+    assert pool.commit([g.token], owner="w") == [True]
+    pins = pool.acquire(["k"], [100], owner="r")
+    assert len(pins) == 1 and (pins[0].offset, pins[0].size) == (g.offset, 100)
+    stats = pool.statistics()
+    assert (stats.objects, stats.reserved, stats.pinned, stats.hits) == (1, 0, 1, 1)
+    pool.release([pins[0].token], owner="r")
+    assert pool.statistics().pinned == 0
+
+
+def test_a_reader_sees_nothing_before_commit(pool):
+    (g,) = pool.reserve(["k"], [64])
+    assert pool.acquire(["k"]) == []
+    assert pool.exists(["k"]) == 0
+    assert pool.keys() == []
+    pool.commit([g.token])
+    assert pool.exists(["k"]) == 1 and pool.keys() == ["k"]
+
+
+def test_write_once_exists_and_busy(pool):
+    (g,) = pool.reserve(["k"], [64], owner="a")
+    (busy,) = pool.reserve(["k"], [64], owner="b")
+    assert busy.status is GrantStatus.BUSY
+    pool.commit([g.token], owner="a")
+    (again,) = pool.reserve(["k"], [128], owner="b")
+    assert again.status is GrantStatus.EXISTS and again.size == 64
+    assert pool.statistics().objects == 1
+
+
+def test_commit_and_abort_check_the_owner(pool):
+    (g,) = pool.reserve(["k"], [64], owner="a")
+    assert pool.commit([g.token], owner="b") == [False]
+    pool.abort([g.token], owner="b")  # ignored
+    assert pool.statistics().reserved == 1
+    pool.abort([g.token], owner="a")
+    assert pool.statistics().reserved == 0 and pool.allocator.used_bytes == 0
+    assert pool.commit([g.token], owner="a") == [False]
+    assert pool.commit([424242]) == [False]
+
+
+def test_acquire_stops_at_the_first_miss_and_counts(pool):
+    for k in ("a", "b", "d"):
+        put(pool, k)
+    pins = pool.acquire(["a", "b", "c", "d"])
+    assert len(pins) == 2
+    stats = pool.statistics()
+    assert (stats.hits, stats.misses) == (2, 1)
+    assert stats.hit_rate == pytest.approx(2 / 3)
+    pool.release([p.token for p in pins])
+
+
+def test_acquire_with_another_size_is_a_miss(pool):
+    put(pool, "k", size=100)
+    assert pool.acquire(["k"], [99]) == []
+    assert pool.exists(["k"], [99]) == 0 and pool.exists(["k"], [100]) == 1
+    assert len(pool.acquire(["k"], [None])) == 1
+
+
+def test_exists_does_not_count_or_pin(pool):
+    put(pool, "k")
+    assert pool.exists(["k", "x"]) == 1
+    stats = pool.statistics()
+    assert (stats.hits, stats.misses, stats.pinned) == (0, 0, 0)
+
+
+def test_release_checks_the_owner_and_is_idempotent(pool):
+    put(pool, "k")
+    (pin,) = pool.acquire(["k"], owner="r")
+    pool.release([pin.token], owner="other")
+    assert pool.statistics().pinned == 1
+    pool.release([pin.token], owner="r")
+    pool.release([pin.token], owner="r")
+    assert pool.statistics().pinned == 0
+
+
+def test_delete(pool):
+    put(pool, "k")
+    (pin,) = pool.acquire(["k"])
+    assert pool.delete("k") is False  # pinned
+    pool.release([pin.token])
+    assert pool.delete("k") is True
+    assert pool.delete("k") is False
+    (g,) = pool.reserve(["r"], [64])
+    assert pool.delete("r") is False  # reserved, not committed
+    assert pool.allocator.used_bytes == 64
+
+
+# ----------------------------------------------------------------- eviction
+
+def test_lru_eviction_when_full(pool):
+    for i in range(16):
+        put(pool, i)
+    assert pool.allocator.free_bytes == 0
+    pins = pool.acquire([0])  # a reader touches 0
+    pool.release([p.token for p in pins])
+    put(pool, "new")
+    assert 1 not in pool.keys() and 0 in pool.keys()
+    assert pool.statistics().evictions == 1
+
+
+def test_reserve_of_an_existing_key_refreshes_it(pool):
+    for i in range(16):
+        put(pool, i)
+    assert pool.reserve([0], [64])[0].status is GrantStatus.EXISTS
+    put(pool, "new")
+    assert 0 in pool.keys() and 1 not in pool.keys()
+
+
+def test_eviction_frees_enough_for_a_large_object(pool):
+    for i in range(16):
+        put(pool, i)
+    put(pool, "big", size=64 * 3)
+    assert pool.statistics().evictions == 3
+    assert pool.allocator.used_bytes == pool.capacity_bytes
+    assert set(pool.keys()) == set(range(3, 16)) | {"big"}
+
+
+def test_pins_prevent_eviction(pool):
+    for i in range(16):
+        put(pool, i)
+    pins = pool.acquire(list(range(16)))
+    assert len(pins) == 16
+    (g,) = pool.reserve(["new"], [64])
+    assert g.status is GrantStatus.FULL
+    assert pool.statistics().evictions == 0
+    pool.release([pins[5].token])
+    (g,) = pool.reserve(["new"], [64])
+    assert g.status is GrantStatus.NEW
+    assert 5 not in pool.keys()
+    pool.release([p.token for p in pins if p is not pins[5]])
+
+
+def test_reservations_are_not_evicted(pool):
+    grants = pool.reserve(list(range(16)), [64] * 16)
+    assert all(g.status is GrantStatus.NEW for g in grants)
+    assert pool.reserve(["x"], [64])[0].status is GrantStatus.FULL
+
+
+def test_too_large(pool):
+    put(pool, "k")
+    (g,) = pool.reserve(["huge"], [64 * 17])
+    assert g.status is GrantStatus.TOO_LARGE
+    assert pool.keys() == ["k"] and pool.statistics().evictions == 0
+
+
+# ----------------------------------------------------------------- lifecycle
+
+def test_reservation_ttl_expires_with_the_clock(pool, clock):
+    (g,) = pool.reserve(["slow"], [64], owner="w")
+    clock.now += 9.9
+    assert pool.expire() == 0
+    clock.now += 0.2
+    assert pool.expire() == 1
+    stats = pool.statistics()
+    assert (stats.reserved, stats.expired_reservations, stats.used_bytes) == (0, 1, 0)
+    assert pool.commit([g.token], owner="w") == [False]  # too late
+    assert pool.exists(["slow"]) == 0
+    (g2,) = pool.reserve(["slow"], [64], owner="w2")  # the key is free again
+    assert g2.status is GrantStatus.NEW
+
+
+def test_expire_with_an_explicit_time(pool, clock):
+    pool.reserve(["a"], [64])
+    clock.now += 5
+    pool.reserve(["b"], [64])
+    assert pool.expire(now=clock.now + 6) == 1  # only "a" is older than 10 s
+    assert pool.statistics().reserved == 1
+
+
+def test_committed_objects_never_expire(pool, clock):
+    put(pool, "k")
+    clock.now += 3600
+    assert pool.expire() == 0 and pool.keys() == ["k"]
+
+
+def test_drop_owner_ends_reservations_and_pins(pool):
+    put(pool, "shared")
+    pool.reserve(["w1", "w2"], [64, 64], owner="gone")
+    pool.acquire(["shared"], owner="gone")
+    (keep,) = pool.acquire(["shared"], owner="alive")
+    pool.reserve(["w3"], [64], owner="alive")
+    pool.drop_owner("gone")
+    stats = pool.statistics()
+    assert (stats.reserved, stats.pinned) == (1, 1)
+    assert pool.reserve(["w1"], [64])[0].status is GrantStatus.NEW
+    pool.release([keep.token], owner="alive")
+    assert pool.delete("shared") is True
+
+
+def test_statistics_are_a_frozen_snapshot(pool):
+    import dataclasses
+
+    s = pool.statistics()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.used_bytes = 1  # type: ignore[misc]
+    assert s.hit_rate == 0.0
+    put(pool, "k")
+    assert s.objects == 0 and pool.statistics().objects == 1
+
+
+def test_a_batch_never_evicts_a_key_it_reported_as_stored(pool):
+    for i in range(16):
+        put(pool, i)
+    pins = pool.acquire([i for i in range(16) if i != 5])  # only 5 is evictable
+    assert len(pins) == 15
+    grants = pool.reserve([5, "new"], [64, 64])
+    assert [g.status for g in grants] == [GrantStatus.EXISTS, GrantStatus.FULL]
+    assert 5 in pool.keys() and pool.statistics().evictions == 0
+    pool.release([p.token for p in pins])
+    # after the batch, 5 is evictable again (the least recently used now)
+    (g,) = pool.reserve(["new"], [64])
+    assert g.status is GrantStatus.NEW and 5 not in pool.keys()

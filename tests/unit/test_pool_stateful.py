@@ -1,0 +1,338 @@
+"""Hypothesis state machines: the pool core against a dict model, and real bytes
+through the embedded pool and ContextCaching V0 against a dict of values."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ems import CcConfig, CcKvOption, KvBufferWrapper
+from ems.client.context_caching import ContextCaching
+from ems.client.embedded import EmbeddedTransport
+from ems.keys import v0_storage_keys
+from ems.pool import GrantStatus, Pool
+
+KEYS = st.sampled_from([f"k{i}" for i in range(8)])
+OWNERS = st.sampled_from(["a", "b"])
+CAPACITY = 64 * 10  # room for a few objects: eviction happens all the time
+TTL = 10.0
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Every committed key of the model is in the pool with its size, unless it was
+    evictable and got evicted; pinned and reserved keys are never evicted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.pool = Pool(CAPACITY, reservation_ttl_s=TTL, clock=self.clock)
+        self.committed: dict[str, int] = {}
+        self.reservations: dict[int, tuple[str, int, str, float]] = {}
+        self.pins: dict[int, tuple[str, str]] = {}
+        self.evictions = self.expired = self.hits = self.misses = 0
+
+    # ------------------------------------------------------------- model helpers
+    def pin_count(self, key: str) -> int:
+        return sum(1 for k, _ in self.pins.values() if k == key)
+
+    def reserved_keys(self) -> set[str]:
+        return {k for k, *_ in self.reservations.values()}
+
+    def sync_evictions(self) -> None:
+        present = set(self.pool.keys())
+        for key in list(self.committed):
+            if key not in present:
+                assert self.pin_count(key) == 0, f"pinned {key} was evicted"
+                del self.committed[key]
+                self.evictions += 1
+
+    def rounded(self, size: int) -> int:
+        return self.pool.allocator.round_up(size)
+
+    # ------------------------------------------------------------- rules
+    @rule(batch=st.lists(st.tuples(KEYS, st.integers(1, 64 * 6)), min_size=1, max_size=3,
+                         unique_by=lambda item: item[0]),
+          owner=OWNERS, commit=st.booleans())
+    def reserve(self, batch, owner, commit):
+        keys, sizes = [k for k, _ in batch], [n for _, n in batch]
+        before, busy = dict(self.committed), self.reserved_keys()
+        grants = self.pool.reserve(keys, sizes, owner)
+        present = set(self.pool.keys())
+        exists = set()
+        for key, size, g in zip(keys, sizes, grants):
+            if g.status is GrantStatus.EXISTS:
+                assert key in before and g.size == before[key]
+                assert key in present, f"{key} was reported stored, then evicted by its batch"
+                exists.add(key)
+            elif g.status is GrantStatus.BUSY:
+                assert key in busy
+            elif g.status is GrantStatus.TOO_LARGE:
+                assert self.rounded(size) > self.pool.capacity_bytes
+            else:  # NEW or FULL: absent, or evicted by an earlier key of this batch
+                assert key not in busy and self.rounded(size) <= self.pool.capacity_bytes
+                assert key not in before or key not in present
+        self.sync_evictions()
+        if any(g.status is GrantStatus.FULL for g in grants):
+            # everything evictable was evicted first, except what the batch holds
+            assert all(self.pin_count(k) or k in exists for k in self.committed)
+        for key, size, g in zip(keys, sizes, grants):
+            if g.status is GrantStatus.NEW:
+                assert g.size == size and g.offset % self.pool.allocator.alignment == 0
+                self.reservations[g.token] = (key, size, owner, self.clock.now + TTL)
+                if commit:
+                    self.do_commit(g.token, owner)
+
+    def do_commit(self, token: int, owner: str) -> None:
+        key, size, real_owner, _ = self.reservations[token]
+        ok = self.pool.commit([token], owner)
+        assert ok == [owner == real_owner]
+        if owner == real_owner:
+            del self.reservations[token]
+            self.committed[key] = size
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data(), right_owner=st.booleans())
+    def commit(self, data, right_owner):
+        token = data.draw(st.sampled_from(sorted(self.reservations)))
+        owner = self.reservations[token][2]
+        self.do_commit(token, owner if right_owner else owner + "-other")
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data())
+    def abort(self, data):
+        token = data.draw(st.sampled_from(sorted(self.reservations)))
+        self.pool.abort([token], self.reservations.pop(token)[2])
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True), owner=OWNERS,
+          wrong_size=st.booleans())
+    def acquire(self, keys, owner, wrong_size):
+        sizes = None
+        if wrong_size:
+            sizes = [self.committed.get(k, 64) + 1 for k in keys]
+        pins = self.pool.acquire(keys, sizes, owner)
+        expected = 0
+        for k in keys:
+            if k not in self.committed or sizes is not None:
+                break
+            expected += 1
+        assert len(pins) == expected
+        self.hits += expected
+        self.misses += expected < len(keys)
+        for k, p in zip(keys, pins):
+            assert p.size == self.committed[k]
+            self.pins[p.token] = (k, owner)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def release(self, data):
+        token = data.draw(st.sampled_from(sorted(self.pins)))
+        self.pool.release([token], self.pins.pop(token)[1])
+
+    @rule(key=KEYS)
+    def delete(self, key):
+        expected = key in self.committed and self.pin_count(key) == 0
+        assert self.pool.delete(key) is expected
+        if expected:
+            del self.committed[key]
+
+    @rule(dt=st.floats(0, 2 * TTL))
+    def tick_and_expire(self, dt):
+        self.clock.now += dt
+        stale = [t for t, r in self.reservations.items() if r[3] <= self.clock.now]
+        assert self.pool.expire() == len(stale)
+        for t in stale:
+            del self.reservations[t]
+        self.expired += len(stale)
+
+    @rule(owner=OWNERS)
+    def drop_owner(self, owner):
+        self.pool.drop_owner(owner)
+        self.reservations = {t: r for t, r in self.reservations.items() if r[2] != owner}
+        self.pins = {t: p for t, p in self.pins.items() if p[1] != owner}
+
+    # ------------------------------------------------------------- invariants
+    @invariant()
+    def allocator_tiles_the_arena(self):
+        self.pool.allocator.check()
+
+    @invariant()
+    def model_matches_the_pool(self):
+        stats = self.pool.statistics()
+        assert stats.used_bytes <= stats.capacity_bytes
+        assert set(self.pool.keys()) == set(self.committed)
+        for key, size in self.committed.items():
+            assert self.pool.exists([key], [size]) == 1
+        expected_used = sum(self.rounded(s) for s in self.committed.values()) + sum(
+            self.rounded(r[1]) for r in self.reservations.values())
+        assert stats.used_bytes == expected_used
+        assert stats.objects == len(self.committed)
+        assert stats.reserved == len(self.reservations)
+        assert stats.pinned == len({k for k, _ in self.pins.values()})
+        assert stats.evictions == self.evictions
+        assert stats.expired_reservations == self.expired
+        assert (stats.hits, stats.misses) == (self.hits, self.misses)
+
+    def teardown(self):
+        for token, (_, owner) in list(self.pins.items()):
+            self.pool.release([token], owner)
+        for token, r in list(self.reservations.items()):
+            self.pool.abort([token], r[2])
+        self.pool.allocator.check()
+        assert self.pool.allocator.used_bytes == sum(
+            self.rounded(s) for s in self.committed.values())
+
+
+PoolMachine.TestCase.settings = SETTINGS
+TestPoolMachine = PoolMachine.TestCase
+
+
+# --------------------------------------------------------------------- real bytes
+
+class V0BytesMachine(RuleBasedStateMachine):
+    """Loads return the value stored under a key or miss; a miss writes nothing.
+
+    Write-once: saving a stored key keeps its value. Eviction may drop a key at any
+    save, even one of the same batch before the batch reaches it (the key is then
+    stored anew with the new value), so after a save that evicted, a re-saved key
+    may hold either value: the model keeps the candidates and narrows them by size
+    (``Pool.exists`` with a size) and by the next load's bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transport = EmbeddedTransport(8 << 10)
+        self.cc = ContextCaching(self.transport, CcConfig(0, 0, "m"), None, workers=2)
+        self.model: dict[str, set[bytes]] = {}
+
+    @initialize()
+    def started(self):
+        assert self.cc.statistics().objects == 0
+
+    def storage(self, key: str) -> str:
+        return v0_storage_keys([key])[0]
+
+    def settle(self) -> None:
+        """Pins are released just after a load answers: wait for that. Then drop the
+        keys the pool evicted, and the candidates of another size."""
+        deadline = time.monotonic() + 5
+        while True:
+            stats = self.cc.statistics()
+            if stats.pinned == 0 and stats.reserved == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.001)
+        pool = self.transport.pool
+        for key in list(self.model):
+            sk = self.storage(key)
+            if not pool.exists([sk]):
+                del self.model[key]
+                continue
+            self.model[key] = {v for v in self.model[key] if pool.exists([sk], [len(v)])}
+            assert self.model[key], f"{key} holds none of the values saved under it"
+
+    @rule(sized=st.dictionaries(KEYS, st.tuples(st.integers(1, 4000), st.integers(0, 255)),
+                                min_size=1, max_size=3),
+          split=st.booleans(), use_async=st.booleans())
+    def save(self, sized, split, use_async):
+        keys = list(sized)
+        arrays = [np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+                  for n, seed in sized.values()]
+        values = []
+        for a in arrays:
+            if split and a.size > 1:  # the same value as two buffers
+                h = a.size // 2
+                values.append([KvBufferWrapper(a.ctypes.data, h),
+                               KvBufferWrapper(a.ctypes.data + h, a.size - h)])
+            else:
+                values.append([KvBufferWrapper(a.ctypes.data, a.size)])
+        opt = CcKvOption()
+        before = self.cc.statistics()
+        need = sum(self.transport.pool.allocator.round_up(a.size)
+                   for k, a in zip(keys, arrays) if k not in self.model)
+        if use_async:
+            result = self.cc.async_save(opt, keys, values).result()
+        else:
+            result = self.cc.save(opt, keys, values)
+        assert result.total == len(keys)
+        evicted = self.cc.statistics().evictions != before.evictions
+        if not evicted and need <= before.capacity_bytes - before.used_bytes:
+            # it fit without evicting: nothing can have failed (with nothing stored,
+            # the free space is one extent; with values stored, a fragmented fit
+            # would have evicted)
+            assert result.success == len(keys)
+        pool = self.transport.pool
+        for i, (key, a) in enumerate(zip(keys, arrays)):
+            stored = bool(pool.exists([self.storage(key)]))
+            if i < result.success:
+                assert stored, f"{key} was reported saved but is not in the pool"
+            if not stored:
+                self.model.pop(key, None)
+            elif key not in self.model:
+                self.model[key] = {a.tobytes()}
+            elif evicted:
+                self.model[key].add(a.tobytes())
+            # else: write-once, the stored value stays
+        self.settle()
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def load_saved(self, data):
+        """Mostly hits: the keys the model holds, in a random order."""
+        keys = data.draw(st.permutations(sorted(self.model)))
+        self.load(keys[:4], wrong_length=False)
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True),
+          wrong_length=st.booleans())
+    def load_any(self, keys, wrong_length):
+        self.load(keys, wrong_length)
+
+    def load(self, keys, wrong_length):
+        lengths = [len(next(iter(self.model[k]))) if k in self.model else 17 for k in keys]
+        lengths = [n + 1 if wrong_length else n for n in lengths]
+        outs = [np.full(n, 0xEE, dtype=np.uint8) for n in lengths]
+        result = self.cc.load(CcKvOption(), keys,
+                              [[KvBufferWrapper(o.ctypes.data, o.size)] for o in outs])
+        expected = 0
+        for k in keys:
+            if k not in self.model or wrong_length:
+                break
+            expected += 1
+        assert (result.success, result.total) == (expected, len(keys))
+        for i, (k, o) in enumerate(zip(keys, outs)):
+            if i < expected:
+                got = o.tobytes()
+                assert got in self.model[k], f"{k} came back with bytes never saved"
+                self.model[k] = {got}
+            else:
+                assert (o == 0xEE).all(), "a miss wrote into the caller's buffer"
+        self.settle()
+
+    @invariant()
+    def pool_is_consistent(self):
+        self.transport.pool.allocator.check()
+        stats = self.cc.statistics()
+        assert stats.used_bytes <= stats.capacity_bytes
+        assert stats.objects == len(self.model)
+
+    def teardown(self):
+        self.cc.close()
+        self.transport.close()
+
+
+V0BytesMachine.TestCase.settings = settings(SETTINGS, max_examples=30,
+                                            stateful_step_count=25)
+TestV0BytesMachine = V0BytesMachine.TestCase
