@@ -28,6 +28,14 @@ class EmbeddedTransport(Transport):
         # MAP_NORESERVE: pages are only taken when written.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._mm = mmap.mmap(-1, capacity_bytes, flags=flags)
+        # Transparent huge pages where the host allows them on request (THP "madvise",
+        # the common default): 512x fewer page faults on the first pass over the pool
+        # (what numpy does for its own large arrays), and fewer TLB misses after.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP disabled or not supported: plain pages
+                pass
         self.segment = Segment(0, self._mm)
         self.pool = Pool(capacity_bytes)
         self._ns = namespace

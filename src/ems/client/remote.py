@@ -337,7 +337,11 @@ def _map(fd: int, segment_id: int, size: int) -> Segment:
     st = os.fstat(fd)
     if st.st_size < size:
         raise _bad_reply(f"a segment of {st.st_size} bytes announced as {size}")
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # MAP_POPULATE: fill the page tables now (~20-50 ms per 512 MiB of pages the daemon
+    # already has) instead of one minor fault per 4 KiB page on this process's first
+    # pass over the pool, which caps its first saves at ~2.5-3 GB/s against ~9-10.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return Segment(segment_id, mm)
 
 

@@ -42,7 +42,11 @@ class Tenant:
         self.fd = os.memfd_create(f"ems-pool-{self.name}",
                                   os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, self.segment_size)  # sparse: pages come when written
+            os.ftruncate(self.fd, self.segment_size)
+            # Take the memory now, as Mooncake's global segment does: a pool that
+            # cannot have its capacity fails at start, not mid-save, and clients map
+            # it populated (no page fault per 4 KiB page on their first pass).
+            os.posix_fallocate(self.fd, 0, self.segment_size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         except BaseException:
             os.close(self.fd)
