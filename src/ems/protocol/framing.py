@@ -23,7 +23,7 @@ sane reaction to a corrupt stream is to close it.
 from __future__ import annotations
 
 import struct
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import msgpack
 
@@ -42,7 +42,7 @@ __all__ = [
 
 MAGIC = b"EM"
 PROTOCOL_VERSION = 1
-HEADER = struct.Struct(">2sBBI")
+HEADER = struct.Struct(">2sBBI")  # 8 bytes
 #: Largest body either side accepts (a batch of ~250k keys of 128 bytes fits).
 MAX_FRAME_BYTES = 32 << 20
 
@@ -100,11 +100,33 @@ class FrameDecoder:
 
     def _next(self) -> Optional[Message]:
         buf = self._buf
-        if len(buf) < HEADER.size:
+        n = len(buf)
+        if n < 8:  # HEADER.size
             if buf and not MAGIC.startswith(bytes(buf[:2])):
                 raise protocol_error("not an ems frame (bad magic); is this an ems client?")
             return None
         magic, version, flags, length = HEADER.unpack_from(buf)
+        if magic != MAGIC or version != PROTOCOL_VERSION or flags or (
+                length > self.max_frame_bytes):
+            self._bad_header(magic, version, flags, length)
+        end = 8 + length
+        if n < end:
+            return None
+        obj = self._unpack(bytes(buf[8:end]))  # (a memoryview is slower for small bodies)
+        if n == end:  # the usual case: one whole frame
+            buf.clear()
+        else:
+            del buf[:end]
+        return from_wire(obj)
+
+    @staticmethod
+    def _unpack(body: Any) -> Any:
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
+            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
+
+    def _bad_header(self, magic: bytes, version: int, flags: int, length: int) -> None:
         if magic != MAGIC:
             raise protocol_error("not an ems frame (bad magic); is this an ems client?")
         if version != PROTOCOL_VERSION:
@@ -113,16 +135,5 @@ class FrameDecoder:
                                  f"of the ems client and ems-server")
         if flags != 0:
             raise protocol_error(f"frame flags must be 0, got {flags:#x}")
-        if length > self.max_frame_bytes:
-            raise protocol_error(f"frame of {length} bytes exceeds the limit of "
-                                 f"{self.max_frame_bytes}")
-        end = HEADER.size + length
-        if len(buf) < end:
-            return None
-        body = bytes(buf[HEADER.size:end])
-        del buf[:end]
-        try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
-            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
-        return from_wire(obj)
+        raise protocol_error(f"frame of {length} bytes exceeds the limit of "
+                             f"{self.max_frame_bytes}")

@@ -1,0 +1,105 @@
+"""The client's leader/follower reader: whichever thread waits reads the socket, and
+hands it on when it leaves. Many threads on one connection each get their own reply;
+a follower or leader that times out hands the socket on and its late reply is undone;
+an idle connection notices a daemon that went away."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from ems.client.remote import RemoteTransport
+from ems.futures import Task
+from ems.protocol import messages as m
+
+from itest_support import anonymous_stats, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _connect(server) -> RemoteTransport:
+    return RemoteTransport.connect(server.socket_path, None, None, 3.0)
+
+
+def test_many_threads_share_one_connection_and_get_their_own_replies(server):
+    transport = _connect(server)
+    errors: list[BaseException] = []
+    n_threads, rounds = 8, 150
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(rounds):
+                key = f"t{t}-{i}"
+                slots = transport.reserve([key], [64 * (t + 1)], Task(0, "save"))
+                assert slots[0].size == 64 * (t + 1)  # this thread's reply, not another's
+                assert transport.commit([slots[0].token], Task(0, "save")) == [True]
+                pins = transport.acquire([key], [64 * (t + 1)], Task(0, "load"))
+                assert len(pins) == 1 and pins[0].size == 64 * (t + 1)
+                transport.release([p.token for p in pins])
+                assert transport.exists([key, "absent"], None) == 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert errors == []
+        session = transport._session
+        assert session is not None and not session._pending and not session._reading
+        wait_for(lambda: anonymous_stats(server)["pinned"] == 0, 5.0, "pins released")
+        assert anonymous_stats(server)["objects"] == n_threads * rounds
+    finally:
+        transport.close()
+
+
+def test_timed_out_waiters_hand_the_socket_on(server):
+    transport = _connect(server)
+    try:
+        session = transport._live(1.0)
+        assert session.request(lambda rid: m.Ping(rid), 1.0) == m.Pong(1)
+        server.pause()
+        results: dict[str, object] = {}
+
+        def wait(name: str, wait_s: float) -> None:
+            try:
+                results[name] = session.request(lambda rid: m.Ping(rid), wait_s)
+            except socket.timeout:
+                results[name] = "timeout"
+
+        # The first leads and gives up early; the second (a follower) must then take
+        # over the socket and get its reply once the daemon answers again.
+        short = threading.Thread(target=wait, args=("short", 0.2))
+        long = threading.Thread(target=wait, args=("long", 5.0))
+        short.start()
+        time.sleep(0.05)
+        long.start()
+        short.join(2)
+        assert results.get("short") == "timeout"
+        server.resume()
+        long.join(5)
+        assert isinstance(results.get("long"), m.Pong)
+        # the late Pong of the short wait was read and dropped by someone
+        wait_for(lambda: not session._orphans, 5.0, "late reply read")
+        assert session.request(lambda rid: m.Ping(rid), 1.0) == m.Pong(4)
+    finally:
+        server.resume()
+        transport.close()
+
+
+def test_an_idle_connection_notices_the_daemon_going_away(server):
+    transport = _connect(server)
+    try:
+        session = transport._live(1.0)
+        assert transport.health()
+        server.kill()
+        wait_for(lambda: session.broken is not None, 5.0, "the watcher saw the hang-up")
+        assert not transport.health()
+    finally:
+        transport.close()
