@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Union
 
 from ems.config import CcKvOption
 from ems.errors import invalid
@@ -26,6 +26,7 @@ __all__ = [
     "v0_storage_keys",
     "validate_buffers",
     "validate_hashes",
+    "validate_offsets",
     "validate_slot_request",
     "validate_chunk_descs",
 ]
@@ -187,16 +188,22 @@ def validate_hashes(hashes: Any) -> list[int]:
     return out
 
 
+def validate_offsets(offsets: Any, n_hashes: int) -> list[int]:
+    """Token counts of the blocks: one int > 0 per hash."""
+    offs = _int_list(offsets, "offsets")
+    if len(offs) != n_hashes:
+        raise invalid(f"len(offsets)={len(offs)} must equal len(hashes)={n_hashes}")
+    for i, n in enumerate(offs):
+        if n <= 0:
+            raise invalid(f"offsets[{i}] must be > 0, got {n}")
+    return offs
+
+
 def validate_slot_request(slot_mapping: Any, hashes: Any, offsets: Any
                           ) -> tuple[list[int], list[int], list[int]]:
     """The slot_mapping semantics: ``hashes[i]`` owns the next ``offsets[i]`` slots."""
     hs = validate_hashes(hashes)
-    offs = _int_list(offsets, "offsets")
-    if len(offs) != len(hs):
-        raise invalid(f"len(offsets)={len(offs)} must equal len(hashes)={len(hs)}")
-    for i, n in enumerate(offs):
-        if n <= 0:
-            raise invalid(f"offsets[{i}] must be > 0, got {n}")
+    offs = validate_offsets(offsets, len(hs))
     slots = _int_list(slot_mapping, "slot_mapping")
     if sum(offs) != len(slots):
         raise invalid(f"sum(offsets)={sum(offs)} must equal len(slot_mapping)={len(slots)}")
@@ -231,15 +238,3 @@ def validate_chunk_descs(chunk_descs: Any, hashes: Any, n_groups: int
         out.append(chunks)
     return out, hs
 
-
-def check_unique(seq: Sequence[Any], field: str) -> None:
-    if len(set(seq)) != len(seq):
-        raise invalid(f"{field} must be unique within one call")
-
-
-def optional_kw(kwargs: dict[str, Any], allowed: Sequence[str]) -> Optional[str]:
-    """Name of the first unexpected keyword, or None."""
-    for k in kwargs:
-        if k not in allowed:
-            return k
-    return None

@@ -313,22 +313,16 @@ def run_latency(ctx: Context) -> None:
             dst = buf[LATENCY_BYTES:].reshape(1, -1)
             system.reset()
             warm = 50
-            for i in range(warm + p.latency_ops):
-                keys = [f"lat-{i}"]
-                t0 = time.perf_counter_ns()
-                system.save(keys, src)
-                dt = time.perf_counter_ns() - t0
-                if i >= warm:
-                    res["save"].us.append(dt / 1e3)
-                if i % chunk == 0:
-                    ctx.progress.step(f"latency: {name}", 0)
-            for i in range(warm + p.latency_ops):
-                keys = [f"lat-{i}"]
-                t0 = time.perf_counter_ns()
-                system.load(keys, dst)
-                dt = time.perf_counter_ns() - t0
-                if i >= warm:
-                    res["load"].us.append(dt / 1e3)
+            for op, call, data in (("save", system.save, src), ("load", system.load, dst)):
+                for i in range(warm + p.latency_ops):
+                    keys = [f"lat-{i}"]
+                    t0 = time.perf_counter_ns()
+                    call(keys, data)
+                    dt = time.perf_counter_ns() - t0
+                    if i >= warm:
+                        res[op].us.append(dt / 1e3)
+                    if op == "save" and i % chunk == 0:
+                        ctx.progress.step(f"latency: {name}", 0)
             if not np.array_equal(src, dst):
                 raise BenchError("a 4 KiB load returned other bytes")
             for lat in res.values():

@@ -124,11 +124,7 @@ class ContextCaching:
                                                         len(layout.groups))
                 sizes = layout.plan_chunks(chunks).sizes
             else:
-                offs = _keys._int_list(kwargs["offsets"], "offsets")
-                if len(offs) != len(hs) or any(n <= 0 for n in offs):
-                    raise invalid("offsets must hold one int > 0 per hash")
-                slots = [0] * sum(offs)
-                sizes = layout.plan_slots(slots, offs).sizes
+                sizes = layout.slot_sizes(_keys.validate_offsets(kwargs["offsets"], len(hs)))
         try:
             n = self._transport.exists([prefix + str(h) for h in hs], sizes)
         except EmsException as exc:

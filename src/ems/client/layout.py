@@ -190,6 +190,12 @@ class RegisteredLayout:
                            s0 * es, s1 * es, t.device.type == "cpu")
 
     # ------------------------------------------------------------ planning
+    def slot_sizes(self, offsets: Sequence[int]) -> list[int]:
+        """Object sizes of blocks of these token counts in the slot_mapping semantics
+        (the same as ``plan_slots(...).sizes``, without planning any copy)."""
+        row_bytes = sum(t.token_bytes for t in self.tensors)
+        return [n * row_bytes for n in offsets]
+
     def plan_slots(self, slots: list[int], offsets: list[int]) -> "V1Mover":
         torch = self._torch
         slot_t = torch.tensor(slots, dtype=torch.int64)

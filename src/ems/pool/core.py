@@ -292,8 +292,8 @@ class Pool:
             if victim is None:
                 return None
             self._policy.remove(victim)
-            obj = self._objects.pop(victim)
-            self._committed -= 1  # victims are committed (the policy holds no others)
+            obj = self._objects[victim]
+            self._forget(obj)
             self._evictions += 1
             if allocator.size_of(obj.offset) == need:
                 return obj.offset
@@ -303,8 +303,12 @@ class Pool:
                 if offset is not None:
                     return offset
 
-    def _drop(self, obj: _Object) -> None:
+    def _forget(self, obj: _Object) -> None:
+        """Remove ``obj`` from the index; its extent stays allocated (the caller's)."""
         if obj.state is _State.COMMITTED:
             self._committed -= 1
         del self._objects[obj.key]
+
+    def _drop(self, obj: _Object) -> None:
+        self._forget(obj)
         self.allocator.free(obj.offset)

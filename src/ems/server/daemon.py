@@ -303,17 +303,6 @@ class Daemon:
     # ------------------------------------------------------------ output
     def _send(self, conn: _Conn, msg: m.Message, fds: tuple[int, ...] = ()) -> None:
         data = encode(msg)
-        if not conn.out and not fds:  # the usual case: the reply fits the socket buffer
-            try:
-                n = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as exc:
-                self._close(conn, f"send failed: {exc}")
-                return
-            if n == len(data):
-                return
-            data = data[n:]
         conn.out.append([memoryview(data), fds])
         conn.out_bytes += len(data)
         if conn.out_bytes > MAX_PENDING_OUTPUT:
