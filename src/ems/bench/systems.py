@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ems.bench.procs import Service, free_port, wait_for
+from ems.config import PoolSettings
 
 __all__ = [
     "BenchError", "Unavailable", "System", "MemcpySystem", "EmsSystem", "MooncakeSystem",
@@ -137,7 +138,7 @@ class EmsDaemon:
         argv = [sys.executable, "-m", "ems.server", "--socket-dir", socket_dir,
                 "--capacity", str(capacity_bytes), "--log-level", "WARNING"]
         self.service = Service("ems-server", argv, os.path.join(log_dir, "ems-server.log"))
-        sock = os.path.join(socket_dir, "ems.sock")
+        sock = os.path.join(socket_dir, PoolSettings.SOCKET_NAME)
         try:
             wait_for("ems-server", lambda: _unix_accepts(sock), self.service, timeout_s)
         except RuntimeError as exc:

@@ -96,8 +96,7 @@ class ServerConfig:
 
     @property
     def socket_path(self) -> str:
-        from ems.client.singleton import SOCKET_NAME
-        return os.path.join(self.socket_dir, SOCKET_NAME)
+        return os.path.join(self.socket_dir, PoolSettings.SOCKET_NAME)
 
     @classmethod
     def load(cls, flags: Mapping[str, Any], env: Mapping[str, str]) -> "ServerConfig":

@@ -8,8 +8,8 @@ their own counters through ``ContextCaching.statistics()``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -51,7 +51,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ems.client.remote import server_report
-    from ems.client.singleton import SOCKET_NAME
     from ems.config import PoolSettings
 
     parser = argparse.ArgumentParser(
@@ -62,11 +61,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=3.0,
                         help="give up after this long (default 3)")
     args = parser.parse_args(argv)
-    socket_dir = (args.socket_dir or os.environ.get("EMS_SOCKET_DIR")
-                  or PoolSettings().socket_dir)
-    path = os.path.join(socket_dir, SOCKET_NAME)
-    try:
-        report = server_report(path, args.timeout_s)
+    try:  # the SDK's own rule for where the socket is (EMS_SOCKET_DIR or the default)
+        settings = PoolSettings.from_env()
+        if args.socket_dir:
+            settings = dataclasses.replace(settings, socket_dir=args.socket_dir)
+        report = server_report(settings.socket_path, args.timeout_s)
     except EmsException as exc:
         print(f"ems-server stats: {exc}", file=sys.stderr)
         return 1
