@@ -61,7 +61,10 @@ class Task:
         self.deadline: Optional[float] = (
             time.monotonic() + timeout_ms / 1000.0 if timeout_ms > 0 else None)
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._finished = False
+        # Made only when somebody has to wait: a synchronous call runs its task in the
+        # caller's thread and finds it finished, so it never pays for an Event.
+        self._done: Optional[threading.Event] = None
         self._state = _State.QUEUED
         self._cancelled = False
         self._result: Optional[CcResult] = None
@@ -110,11 +113,13 @@ class Task:
         self.finish(None, self._timeout_error())
 
     def _finish_locked(self, result: Optional[CcResult], error: Optional[EmsException]) -> None:
-        if self._done.is_set():
+        if self._finished:
             return
         self._state = _State.DONE
         self._result, self._error = result, error
-        self._done.set()
+        self._finished = True
+        if self._done is not None:
+            self._done.set()
 
     def _timeout_error(self) -> EmsException:
         return EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
@@ -122,18 +127,23 @@ class Task:
 
     # ----------------------------------------------------------- caller side
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self) -> CcResult:
-        remaining = self.remaining_s()
-        if not self._done.wait(remaining):
+        if not self._finished:
             with self._lock:
-                if self._state is _State.QUEUED:
-                    self._finish_locked(None, self._timeout_error())
-                elif self._state is _State.RUNNING:
-                    self._cancelled = True
-            # The worker stops at its next checkpoint (or is publishing already).
-            self._done.wait()
+                if self._done is None:
+                    self._done = threading.Event()
+                    if self._finished:
+                        self._done.set()
+            if not self._done.wait(self.remaining_s()):
+                with self._lock:
+                    if self._state is _State.QUEUED:
+                        self._finish_locked(None, self._timeout_error())
+                    elif self._state is _State.RUNNING:
+                        self._cancelled = True
+                # The worker stops at its next checkpoint (or is publishing already).
+                self._done.wait()
         if self._error is not None:
             raise self._error
         assert self._result is not None

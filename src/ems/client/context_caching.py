@@ -245,7 +245,7 @@ class ContextCaching:
                 self._inline -= 1
                 if self._inline == 0:
                     self._idle.notify_all()
-        return CcFuture(task).result()
+        return task.wait()
 
     def _submit(self, req: _keys.Request) -> CcFuture:
         task = Task(req.option.timeout, req.what)
