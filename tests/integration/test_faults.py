@@ -131,7 +131,9 @@ def test_a_save_slower_than_the_ttl_stops_before_its_space_is_reused(make_server
     cc = init_cc(server, client_env)
     SlowCopies(monkeypatch, 0.15)  # 16 buffers: 2.4 s, past the 2 s TTL
     keys = [f"s{i}" for i in range(8)]
-    vals = [Value(4096, pattern(k, 4096)) for k in keys]
+    # 64 KiB in all: more than a quarter of the 128 KiB lease, so a real reservation
+    # (a save through the lease has no TTL: the lease is the connection's until it ends)
+    vals = [Value(8192, pattern(k, 8192)) for k in keys]
     t0 = time.monotonic()
     with pytest.raises(EmsException) as info:  # timeout=0: no deadline of its own
         cc.save(CcKvOption(timeout=0), keys, [v.wrappers() for v in vals])
@@ -219,7 +221,10 @@ def test_a_late_reply_after_a_timeout_is_undone(server, client_env):
             cc.load(CcKvOption(timeout=300), ["late"], [out.wrappers()])
         assert info.value.status_code() is EmsErrorCode.EMS_IO_TIMEOUT
         assert time.monotonic() - t0 < 1.0
-        fut = cc.async_save(CcKvOption(timeout=300), ["late2"], [Value(size, b"x" * size)
+        # bigger than a quarter of the lease: a Reserve, whose late grant is aborted
+        # (a Put that timed out may still store its key, whole: see test_lease.py)
+        big = 512 << 10
+        fut = cc.async_save(CcKvOption(timeout=300), ["late2"], [Value(big, b"x" * big)
                                                                 .wrappers()])
         with pytest.raises(EmsException):
             fut.result()

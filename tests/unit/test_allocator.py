@@ -128,3 +128,33 @@ def test_random_alloc_free_keeps_the_invariants():
             assert all(s + n <= t for (s, n), (t, _) in zip(spans, spans[1:]))
     a.check()
     assert a.used_bytes == sum(live.values()) <= a.capacity_bytes
+
+
+def test_split_makes_two_allocations_that_free_and_merge_on_their_own():
+    a = Allocator(64 * 8)
+    off = a.alloc(64 * 6)
+    a.split(off, 64 * 2)
+    a.split(64 * 2, 64 * 5)
+    assert [a.size_of(o) for o in (0, 128, 320)] == [128, 192, 64]
+    assert a.used_bytes == 64 * 6
+    a.check()
+    a.free(128)  # the middle one: free between two allocations
+    a.check()
+    assert a.free_bytes == 64 * 5 and a.largest_free() == 64 * 3
+    a.free(320)  # merges with the middle hole and the arena's free tail
+    a.check()
+    assert a.largest_free() == 64 * 6
+    a.free(0)
+    a.check()
+    assert a.free_bytes == a.capacity_bytes and a.largest_free() == a.capacity_bytes
+
+
+@pytest.mark.parametrize("at", [0, 64 * 4, 32, 64 * 5])
+def test_split_only_inside_an_allocation_at_the_alignment(at):
+    a = Allocator(64 * 8)
+    off = a.alloc(64 * 4)
+    with pytest.raises(ValueError):
+        a.split(off, at)
+    with pytest.raises(KeyError):
+        a.split(64, 128)  # not the start of an allocation
+    a.check()

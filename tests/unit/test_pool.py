@@ -269,3 +269,80 @@ def test_a_batch_never_evicts_a_key_it_reported_as_stored(pool):
     # after the batch, 5 is evictable again (the least recently used now)
     (g,) = pool.reserve(["new"], [64])
     assert g.status is GrantStatus.NEW and 5 not in pool.keys()
+
+
+# ----------------------------------------------------------------- leases
+
+def test_a_lease_is_carved_into_committed_objects(pool):
+    off = pool.lease(64 * 8, "c")
+    assert off is not None
+    stats = pool.statistics()
+    assert stats.leased_bytes == 64 * 8 and stats.used_bytes == 64 * 8 and stats.objects == 0
+    # out of order, as concurrent writers' Puts arrive
+    assert pool.carve(["b", "a"], [off + 128, off], [100, 64], "c") == [GrantStatus.NEW] * 2
+    assert pool.exists(["a", "b"], [64, 100]) == 2
+    (pin,) = pool.acquire(["b"], None, "r")
+    assert (pin.offset, pin.size) == (off + 128, 100)
+    pool.release([pin.token], "r")
+    stats = pool.statistics()
+    assert stats.leased_bytes == 64 * 5 and stats.used_bytes == 64 * 8 and stats.objects == 2
+    pool.allocator.check()
+    # carved objects are ordinary: deleted / evicted on their own
+    assert pool.delete("a")
+    pool.allocator.check()
+    pool.drop_owner("c")  # the rest of the lease goes; "b" stays
+    stats = pool.statistics()
+    assert stats.leased_bytes == 0 and stats.used_bytes == 128 and pool.keys() == ["b"]
+
+
+def test_carve_of_a_stored_or_reserved_key_frees_the_range(pool):
+    put(pool, "old")
+    (g,) = pool.reserve(["busy"], [64], "w")
+    off = pool.lease(64 * 4, "c")
+    used = pool.statistics().used_bytes
+    assert pool.carve(["old", "busy", "new"], [off, off + 64, off + 128], [64, 64, 64],
+                      "c") == [GrantStatus.EXISTS, GrantStatus.BUSY, GrantStatus.NEW]
+    stats = pool.statistics()
+    assert stats.used_bytes == used - 128 and stats.leased_bytes == 64
+    assert pool.commit([g.token], "w") == [True]  # the writer's reservation is untouched
+    pool.allocator.check()
+
+
+@pytest.mark.parametrize("case", ["foreign", "outside", "overlap", "unaligned", "zero",
+                                  "no-lease", "carved"])
+def test_carve_outside_the_own_lease_is_refused_and_changes_nothing(pool, case):
+    off = pool.lease(64 * 4, "c")
+    other = pool.lease(64 * 4, "d")
+    pool.carve(["first"], [off + 192], [64], "c")
+    ranges = {"foreign": ([other], [64]), "outside": ([off + 128], [128]),
+              "overlap": ([off, off + 64], [128, 64]), "unaligned": ([off + 8], [8]),
+              "zero": ([off], [0]), "no-lease": ([off], [64]), "carved": ([off + 192], [64])}
+    offsets, sizes = ranges[case]
+    owner = "nobody" if case == "no-lease" else "c"
+    before = pool.statistics()
+    with pytest.raises(ValueError):
+        pool.carve([f"x{i}" for i in range(len(offsets))], offsets, sizes, owner)
+    assert pool.statistics() == before and pool.keys() == ["first"]
+
+
+def test_unlease_frees_ranges_and_ignores_what_is_not_leased(pool):
+    off = pool.lease(64 * 4, "c")
+    pool.carve(["k"], [off], [64], "c")
+    pool.unlease([off, off + 64, off + 192, off + 8], [64, 64, 64, 8], "c")  # 1st: carved
+    pool.unlease([off + 128], [64], "other")  # not its lease
+    stats = pool.statistics()
+    assert stats.leased_bytes == 64 and stats.used_bytes == 128
+    pool.allocator.check()
+    pool.drop_owner("c")
+    assert pool.statistics().used_bytes == 64
+
+
+def test_a_lease_evicts_like_a_reservation_and_is_never_evicted(pool):
+    for i in range(16):
+        put(pool, f"k{i}")
+    off = pool.lease(64 * 4, "c")
+    assert off is not None and pool.statistics().evictions == 4
+    assert pool.lease(64 * 16, "c") is None  # the first lease cannot be evicted
+    (g,) = pool.reserve(["big"], [64 * 13], "w")
+    assert g.status is GrantStatus.FULL
+    pool.drop_owner("c")

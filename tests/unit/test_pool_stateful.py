@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -44,6 +45,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.committed: dict[str, int] = {}
         self.reservations: dict[int, tuple[str, int, str, float]] = {}
         self.pins: dict[int, tuple[str, str]] = {}
+        self.leases: dict[str, set[tuple[int, int]]] = {"a": set(), "b": set()}  # pieces
         self.evictions = self.expired = self.hits = self.misses = 0
 
     # ------------------------------------------------------------- model helpers
@@ -159,9 +161,73 @@ class PoolMachine(RuleBasedStateMachine):
             del self.reservations[t]
         self.expired += len(stale)
 
+    @rule(owner=OWNERS, blocks=st.integers(1, 4))
+    def lease(self, owner, blocks):
+        off = self.pool.lease(64 * blocks, owner)
+        self.sync_evictions()
+        if off is None:  # everything evictable was evicted first
+            assert all(self.pin_count(k) for k in self.committed)
+        else:
+            assert off % 64 == 0
+            self.leases[owner].add((off, 64 * blocks))
+
+    def draw_range(self, data):
+        """An owner, one of its pieces, and an aligned range inside it."""
+        owner = data.draw(st.sampled_from(sorted(o for o, p in self.leases.items() if p)))
+        start, size = data.draw(st.sampled_from(sorted(self.leases[owner])))
+        first = data.draw(st.integers(0, size // 64 - 1))
+        blocks = data.draw(st.integers(1, size // 64 - first))
+        return owner, (start, size), start + 64 * first, 64 * blocks
+
+    def cut(self, owner, piece, offset, need):
+        start, size = piece
+        self.leases[owner].remove(piece)
+        if offset > start:
+            self.leases[owner].add((start, offset - start))
+        if offset + need < start + size:
+            self.leases[owner].add((offset + need, start + size - offset - need))
+
+    @precondition(lambda self: any(self.leases.values()))
+    @rule(data=st.data(), key=KEYS)
+    def carve(self, data, key):
+        owner, piece, offset, need = self.draw_range(data)
+        size = data.draw(st.integers(need - 63, need))
+        (status,) = self.pool.carve([key], [offset], [size], owner)
+        if key in self.committed:
+            assert status is GrantStatus.EXISTS
+        elif key in self.reserved_keys():
+            assert status is GrantStatus.BUSY
+        else:
+            assert status is GrantStatus.NEW
+            self.committed[key] = size
+        self.cut(owner, piece, offset, need)
+
+    @precondition(lambda self: any(self.leases.values()))
+    @rule(data=st.data(), wrong_owner=st.booleans())
+    def carve_outside_the_lease(self, data, wrong_owner):
+        owner, piece, offset, need = self.draw_range(data)
+        if wrong_owner:
+            owner = "b" if owner == "a" else "a"
+            if any(s <= offset < s + n for s, n in self.leases[owner]):
+                return
+        else:
+            need = piece[0] + piece[1] - offset + 64  # one block past the piece
+        before = self.pool.statistics()
+        with pytest.raises(ValueError):
+            self.pool.carve(["k0"], [offset], [need], owner)
+        assert self.pool.statistics() == before
+
+    @precondition(lambda self: any(self.leases.values()))
+    @rule(data=st.data())
+    def unlease(self, data):
+        owner, piece, offset, need = self.draw_range(data)
+        self.pool.unlease([offset], [need], owner)
+        self.cut(owner, piece, offset, need)
+
     @rule(owner=OWNERS)
     def drop_owner(self, owner):
         self.pool.drop_owner(owner)
+        self.leases[owner] = set()
         self.reservations = {t: r for t, r in self.reservations.items() if r[2] != owner}
         self.pins = {t: p for t, p in self.pins.items() if p[1] != owner}
 
@@ -179,7 +245,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.exists([key], [size]) == 1
         expected_used = sum(self.rounded(s) for s in self.committed.values()) + sum(
             self.rounded(r[1]) for r in self.reservations.values())
-        assert stats.used_bytes == expected_used
+        leased = sum(n for pieces in self.leases.values() for _, n in pieces)
+        assert stats.used_bytes == expected_used + leased
+        assert stats.leased_bytes == leased
         assert stats.objects == len(self.committed)
         assert stats.reserved == len(self.reservations)
         assert stats.pinned == len({k for k, _ in self.pins.values()})
@@ -192,6 +260,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.release([token], owner)
         for token, r in list(self.reservations.items()):
             self.pool.abort([token], r[2])
+        for owner in self.leases:
+            self.pool.drop_owner(owner)
         self.pool.allocator.check()
         assert self.pool.allocator.used_bytes == sum(
             self.rounded(s) for s in self.committed.values())

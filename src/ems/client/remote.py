@@ -6,6 +6,14 @@ client maps it once (a :class:`~ems.client.segment.Segment`); a save then copies
 caller's memory straight into the slots the daemon reserved, and a load copies the
 pinned slots straight into the caller's memory: one copy per direction.
 
+Small saves take one round trip: the connection holds a LEASE of pool space (asked
+for on the first small save, renewed with a ``Put`` reply before it runs out), and
+``reserve`` hands out slots of it here, with no request (bump allocation under a
+lock, "local" tokens); ``commit`` then sends one ``Put`` that the daemon answers once
+every key is committed (visible to every process) or found stored (EXISTS/BUSY, its
+range freed). A save whose bytes exceed a quarter of the lease goes the usual way
+(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do.
+
 Concurrency: one connection per process, shared by every worker thread. Requests
 carry ids; the thread that waits for a reply reads the socket itself when no other
 thread does, and routes the replies it reads to the threads that wait for them
@@ -81,6 +89,12 @@ CONTROL_TIMEOUT_S = 5.0
 _TTL_SHARE = 0.8
 _GEN_SHIFT = 56  # client token = connection generation << 56 | daemon token
 _TOKEN_MASK = (1 << _GEN_SHIFT) - 1
+_LOCAL = 1 << (_GEN_SHIFT - 1)  # a slot of the lease (its key is kept here)
+_LOCAL_MASK = _LOCAL - 1
+#: The pool's allocation unit (``Allocator``'s default); the daemon checks every range.
+_ALIGN = 64
+#: After the daemon had no room for a lease, small saves go the usual way this long.
+_LEASE_RETRY_S = 1.0
 #: Longest the watcher reads for replies nobody waits for before it looks again
 #: whether a waiter could read instead.
 _WATCH_SLICE_S = 0.05
@@ -151,6 +165,14 @@ class _Session:
         self._hangup = False  # the watcher saw the daemon hang up
         self._watcher_waits = False  # for _lead_free
         self._rids = itertools.count(1)
+        # The lease: [lease_cursor, lease_end) is not handed out yet; slots handed out
+        # wait in ``local`` (id -> key, offset, size) for their Put or Return.
+        self.lease_lock = threading.Lock()
+        self.lease_cursor = self.lease_end = self.lease_size = 0
+        self.lease_asked = False  # a Put with want_lease is in flight
+        self.lease_refused_until = 0.0
+        self.local: dict[int, tuple[str, int, int]] = {}
+        self._local_ids = itertools.count(1)
         sock.settimeout(LIVENESS_S)  # bounds sendall to a daemon that stopped reading
         self._read_poll = select.poll()  # the leader's
         self._read_poll.register(sock.fileno(), select.POLLIN)
@@ -391,9 +413,53 @@ class _Session:
                 self.fail(_io_error(f"lost the connection to ems-server: {exc}"))
                 raise self.broken from exc  # type: ignore[misc]
 
+    # ------------------------------------------------------------ lease
+    def take(self, keys: Sequence[str], sizes: Sequence[int]
+             ) -> Optional[list[tuple[int, int]]]:
+        """(local id, offset) of slots for ``keys`` cut from the lease, or None when it
+        is short."""
+        needs = [max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN) for n in sizes]
+        with self.lease_lock:
+            offset = self.lease_cursor
+            if offset + sum(needs) > self.lease_end:
+                return None
+            ids = []
+            for key, size, need in zip(keys, sizes, needs):
+                lid = next(self._local_ids)
+                self.local[lid] = (key, offset, size)
+                ids.append((lid, offset))
+                offset += need
+            self.lease_cursor = offset
+        return ids
+
+    def want_lease(self) -> bool:
+        """Whether the next Put should ask for a fresh lease (less than half left)."""
+        with self.lease_lock:
+            if self.lease_asked or 2 * (self.lease_end - self.lease_cursor) >= self.lease_size:
+                return False
+            self.lease_asked = True
+            return True
+
+    def install_lease(self, offset: int, size: int) -> None:
+        """Use a fresh lease, giving back the unused tail of the old one; or give back
+        the fresh one when another thread renewed the lease first."""
+        with self.lease_lock:
+            if 2 * (self.lease_end - self.lease_cursor) >= max(self.lease_size, 1):
+                back = (offset, size)
+            else:
+                back = (self.lease_cursor, self.lease_end - self.lease_cursor)
+                self.lease_cursor, self.lease_end, self.lease_size = offset, offset + size, size
+        if back[1] > 0:
+            self.post(m.Return([back[0]], [back[1]]))
+
     def _undo(self, reply: Any) -> None:
         """Give back what a reply nobody waits for any more granted."""
-        if isinstance(reply, m.Granted):
+        if isinstance(reply, (m.Leased, m.Stored)):
+            offset, size = ((reply.offset, reply.size) if isinstance(reply, m.Leased)
+                            else (reply.lease_offset, reply.lease_size))
+            if size:
+                self.post(m.Return([offset], [size]))
+        elif isinstance(reply, m.Granted):
             tokens = [t for s, t in zip(reply.statuses, reply.tokens) if s == GrantStatus.NEW]
             if tokens:
                 self.post(m.Abort(tokens))
@@ -604,6 +670,11 @@ class RemoteTransport(Transport):
 
     # ------------------------------------------------------------ Transport
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+        session = self._session
+        if session is not None and session.broken is None and session.segment is not None:
+            slots = self._reserve_local(session, keys, sizes, task)
+            if slots is not None:
+                return slots
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
         session, reply = self._call(lambda rid: m.Reserve(rid, list(keys), list(sizes)), task)
         if not isinstance(reply, m.Granted) or len(reply.statuses) != len(keys):
@@ -633,6 +704,36 @@ class RemoteTransport(Transport):
                 task.deadline = cutoff
         return slots
 
+    def _reserve_local(self, session: _Session, keys: Sequence[str], sizes: Sequence[int],
+                       task: Task) -> Optional[list[Slot]]:
+        """Slots of the lease for a small save (None: go the usual way)."""
+        segment = session.segment
+        assert segment is not None
+        limit = m.lease_bytes(segment.size) // 4
+        if not keys or sum(max(_ALIGN, n) for n in sizes) > limit:
+            return None
+        self._check_open()
+        remaining = task.remaining_s()
+        if remaining is not None and remaining <= 0:
+            raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, f"{task.what} ran out of time")
+        ids = session.take(keys, sizes)
+        if ids is None:
+            if time.monotonic() < session.lease_refused_until:
+                return None
+            _, reply = self._call(lambda rid: m.Lease(rid), task, session)
+            if not isinstance(reply, m.Leased):
+                raise _bad_reply(f"{type(reply).__name__} for a Lease")
+            if not reply.size:
+                session.lease_refused_until = time.monotonic() + _LEASE_RETRY_S
+                return None
+            self._install(session, reply.offset, reply.size)
+            ids = session.take(keys, sizes)
+            if ids is None:  # other threads used it up first
+                return None
+        base = _pack(session.gen, _LOCAL)
+        return [Slot(GrantStatus.NEW, base | lid, segment, offset, size)
+                for (lid, offset), size in zip(ids, sizes)]
+
     def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
         if not tokens:
             return []
@@ -641,6 +742,14 @@ class RemoteTransport(Transport):
         if session is None or session.broken is not None or gens != {session.gen}:
             raise _io_error("the connection to ems-server was lost during this save; "
                             "its reservations are gone")
+        if any(t & _LOCAL for t in tokens):
+            if all(t & _LOCAL for t in tokens):
+                return self._put(session, tokens, task)
+            ok = dict(zip([t for t in tokens if t & _LOCAL],
+                          self._put(session, [t for t in tokens if t & _LOCAL], task)))
+            ok.update(zip([t for t in tokens if not t & _LOCAL],
+                          self.commit([t for t in tokens if not t & _LOCAL], task)))
+            return [ok[t] for t in tokens]
         raw = [t & _TOKEN_MASK for t in tokens]
         try:
             _, reply = self._call(lambda rid: m.Commit(rid, raw), task, session)
@@ -653,7 +762,56 @@ class RemoteTransport(Transport):
             raise _bad_reply(f"{type(reply).__name__} for a Commit of {len(tokens)} tokens")
         return list(reply.ok)
 
+    def _put(self, session: _Session, tokens: Sequence[int], task: Task) -> list[bool]:
+        """Commit slots of the lease: one Put, one round trip."""
+        with session.lease_lock:
+            entries = [session.local.pop(t & _LOCAL_MASK, None) for t in tokens]
+        if any(e is None for e in entries):
+            self._give_back(session, [e for e in entries if e is not None])
+            raise _io_error("slots of this save were given back already")
+        keys = [e[0] for e in entries]  # type: ignore[index]
+        offsets = [e[1] for e in entries]  # type: ignore[index]
+        sizes = [e[2] for e in entries]  # type: ignore[index]
+        want = session.want_lease()
+        try:
+            _, reply = self._call(lambda rid: m.Put(rid, keys, offsets, sizes, want), task,
+                                  session)
+        except EmsException:
+            # As for a failed commit: if the Put did reach the daemon, this comes after
+            # it and finds the ranges carved already (and is ignored).
+            session.post(m.Return(offsets, sizes))
+            raise
+        finally:
+            if want:
+                session.lease_asked = False
+        if not isinstance(reply, m.Stored) or len(reply.ok) != len(tokens):
+            raise _bad_reply(f"{type(reply).__name__} for a Put of {len(tokens)} keys")
+        if reply.lease_size:
+            self._install(session, reply.lease_offset, reply.lease_size)
+        return list(reply.ok)
+
+    @staticmethod
+    def _install(session: _Session, offset: int, size: int) -> None:
+        segment = session.segment
+        if segment is None or offset % _ALIGN or offset + size > segment.size:
+            session.post(m.Return([offset], [size]))
+            raise _bad_reply(f"a lease [{offset}, +{size}) outside its segment")
+        session.install_lease(offset, size)
+
+    @staticmethod
+    def _give_back(session: _Session, entries: Sequence[tuple[str, int, int]]) -> None:
+        if entries:
+            session.post(m.Return([e[1] for e in entries], [e[2] for e in entries]))
+
     def abort(self, tokens: Sequence[int]) -> None:
+        session = self._session
+        local = [t for t in tokens if t & _LOCAL]
+        if local and session is not None and not self._closed:
+            with session.lease_lock:
+                entries = [session.local.pop(t & _LOCAL_MASK, None) for t in local
+                           if t >> _GEN_SHIFT == session.gen]
+            self._give_back(session, [e for e in entries if e is not None])
+            tokens = [t for t in tokens if not t & _LOCAL]
         self._post_tokens(tokens, m.Abort)
 
     def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:

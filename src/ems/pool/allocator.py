@@ -98,6 +98,18 @@ class Allocator:
             start = prev
         self._add_free(start, size)
 
+    def split(self, offset: int, at: int) -> None:
+        """Cut the allocated extent at ``offset`` in two at ``at``: ``[offset, at)`` and
+        ``[at, end)`` are then separate allocations, each freed (and merged) on its own.
+
+        The daemon carves a connection's lease (one extent) into objects this way.
+        """
+        size = self._allocated[offset]
+        if not offset < at < offset + size or at % self.alignment:
+            raise ValueError(f"cannot split [{offset}, +{size}) at {at}")
+        self._allocated[offset] = at - offset
+        self._allocated[at] = offset + size - at
+
     def size_of(self, offset: int) -> int:
         return self._allocated[offset]
 

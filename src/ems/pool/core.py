@@ -18,6 +18,12 @@ An object moves through these states::
   reserving a key that another writer holds answers ``BUSY``.
 * A key becomes visible (to ``acquire``/``exists``) only at ``commit``, after all its
   bytes were written: a reader sees nothing or the whole value.
+* A connection may hold a LEASE (``lease``): pool space that is its own until it
+  gives it back (``unlease``) or goes (``drop_owner``); never evicted, never expired.
+  It writes values there without asking, then ``carve`` turns each written range into
+  a committed object in one step (or gives the range back when the key is already
+  stored or reserved: EXISTS/BUSY). The lease is a set of pieces, not a cursor: the
+  ranges of concurrent writers arrive in any order.
 * ``acquire`` pins an object so its bytes cannot be evicted or reused while a reader
   copies them; ``release`` unpins. Pinned and reserved objects are never evicted.
 * A reservation expires ``reservation_ttl_s`` after it was made (``expire``), and
@@ -27,6 +33,7 @@ An object moves through these states::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import itertools
@@ -77,6 +84,8 @@ class PoolStatistics:
     misses: int
     evictions: int
     expired_reservations: int
+    #: pool space held by connections' leases (part of ``used_bytes``)
+    leased_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -100,6 +109,29 @@ class _Object:
     pins: int = 0
 
 
+class _Lease:
+    """One owner's lease: allocated extents (pieces), sorted by start."""
+
+    __slots__ = ("sizes", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.sizes: dict[int, int] = {}
+
+    def add(self, start: int, size: int) -> None:
+        bisect.insort(self.starts, start)
+        self.sizes[start] = size
+
+    def find(self, offset: int, size: int) -> int:
+        """Index of the piece that holds ``[offset, offset + size)`` entirely, or -1."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        if i >= 0:
+            start = self.starts[i]
+            if offset + size <= start + self.sizes[start]:
+                return i
+        return -1
+
+
 class Pool:
     """Index + allocator + eviction policy over an arena of ``capacity_bytes``."""
 
@@ -114,6 +146,8 @@ class Pool:
         self._reservations: dict[int, _Object] = {}
         self._pins: dict[int, tuple[_Object, Hashable]] = {}
         self._tokens = itertools.count(1)
+        self._leases: dict[Hashable, _Lease] = {}
+        self._leased = 0
         self._committed = 0
         self._hits = self._misses = self._evictions = self._expired = 0
 
@@ -180,6 +214,97 @@ class Pool:
                 del self._reservations[token]
                 self._drop(obj)
 
+    # ------------------------------------------------------------------ leases
+    def lease(self, size: int, owner: Hashable) -> Optional[int]:
+        """Give ``owner`` an extent of ``size`` bytes (evicting LRU objects for it, as a
+        reservation would); its offset, or None when there is no room."""
+        offset = self._alloc(size)
+        if offset is None:
+            return None
+        need = self.allocator.size_of(offset)
+        self._leases.setdefault(owner, _Lease()).add(offset, need)
+        self._leased += need
+        return offset
+
+    def carve(self, keys: Sequence[Hashable], offsets: Sequence[int], sizes: Sequence[int],
+              owner: Hashable) -> list[GrantStatus]:
+        """Commit values that ``owner`` wrote into its lease, one range per key.
+
+        A new key becomes a committed object of exactly its range at once (NEW); for a
+        key that is stored already (EXISTS) or reserved by a writer (BUSY) the range is
+        freed. Raises ValueError, changing nothing, when a range is not inside the
+        owner's lease (or ranges overlap): that owner is broken or hostile.
+        """
+        lease = self._checked_lease(offsets, sizes, owner)
+        out = []
+        for key, offset, size in zip(keys, offsets, sizes):
+            assert lease is not None
+            self._cut(lease, offset, self.allocator.round_up(size))
+            obj = self._objects.get(key)
+            if obj is None:
+                obj = _Object(key, offset, size, _State.COMMITTED, owner)
+                self._objects[key] = obj
+                self._committed += 1
+                self._policy.insert(key)
+                out.append(GrantStatus.NEW)
+            else:
+                self.allocator.free(offset)
+                out.append(GrantStatus.EXISTS if obj.state is _State.COMMITTED
+                           else GrantStatus.BUSY)
+        return out
+
+    def unlease(self, offsets: Sequence[int], sizes: Sequence[int], owner: Hashable) -> None:
+        """Free ranges of ``owner``'s lease (unwritten, or aborted); ranges that are not
+        in it any more (carved meanwhile) are ignored."""
+        lease = self._leases.get(owner)
+        if lease is None:
+            return
+        round_up = self.allocator.round_up
+        for offset, size in zip(offsets, sizes):
+            if size <= 0 or offset % self.allocator.alignment:
+                continue
+            need = round_up(size)
+            if lease.find(offset, need) >= 0:
+                self._cut(lease, offset, need)
+                self.allocator.free(offset)
+
+    def _checked_lease(self, offsets: Sequence[int], sizes: Sequence[int],
+                       owner: Hashable) -> Optional[_Lease]:
+        lease = self._leases.get(owner)
+        ranges = sorted(zip(offsets, sizes)) if len(offsets) > 1 else zip(offsets, sizes)
+        end = -1
+        for offset, size in ranges:
+            need = self.allocator.round_up(size)
+            if (lease is None or size <= 0 or offset % self.allocator.alignment or offset < end
+                    or lease.find(offset, need) < 0):
+                raise ValueError(f"[{offset}, +{size}) is not a free range of this "
+                                 f"connection's lease")
+            end = offset + need
+        return lease
+
+    def _cut(self, lease: _Lease, offset: int, need: int) -> None:
+        """Take ``[offset, offset + need)`` out of ``lease`` as an extent of its own
+        (what is left of its piece stays in the lease, in place: pieces are sorted)."""
+        i = lease.find(offset, need)
+        assert i >= 0
+        starts, sizes = lease.starts, lease.sizes
+        start = starts[i]
+        size = sizes.pop(start)
+        end = offset + need
+        if offset > start:
+            self.allocator.split(start, offset)
+            sizes[start] = offset - start
+        if end < start + size:
+            self.allocator.split(offset, end)
+            sizes[end] = start + size - end
+            if offset > start:
+                starts.insert(i + 1, end)
+            else:
+                starts[i] = end
+        elif offset == start:
+            del starts[i]
+        self._leased -= need
+
     # ------------------------------------------------------------------ reads
     def acquire(self, keys: Sequence[Hashable], sizes: Optional[Sequence[Optional[int]]] = None,
                 owner: Hashable = None) -> list[Pin]:
@@ -241,7 +366,12 @@ class Pool:
         return len(stale)
 
     def drop_owner(self, owner: Hashable) -> None:
-        """A client is gone: abort its reservations and release its pins."""
+        """A client is gone: abort its reservations, release its pins, free its lease."""
+        lease = self._leases.pop(owner, None)
+        if lease is not None:
+            for start in lease.starts:
+                self._leased -= lease.sizes[start]
+                self.allocator.free(start)
         self.abort([t for t, o in self._reservations.items() if o.owner == owner], owner)
         self.release([t for t, (_, o) in self._pins.items() if o == owner], owner)
 
@@ -265,6 +395,7 @@ class Pool:
             misses=self._misses,
             evictions=self._evictions,
             expired_reservations=self._expired,
+            leased_bytes=self._leased,
         )
 
     def keys(self) -> list[Hashable]:

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 MAGIC = b"EM"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: leases (Lease, Put, Return)
 HEADER = struct.Struct(">2sBBI")  # 8 bytes
 #: Largest body either side accepts (a batch of ~250k keys of 128 bytes fits).
 MAX_FRAME_BYTES = 32 << 20

@@ -21,6 +21,10 @@ A connection goes through two phases::
     Acquire(rid, keys, sizes)        ->      Pinned(rid, tokens, offsets, sizes)
     Release(tokens)                  ->      (no reply)
     Exists(rid, keys, sizes)         ->      Count(rid, n)
+    Lease(rid)                       ->      Leased(rid, offset, size)   (size 0: no room)
+    Put(rid, keys, offsets, sizes,   ->      Stored(rid, ok, lease_offset, lease_size)
+        want_lease)
+    Return(offsets, sizes)           ->      (no reply)
     Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
     Ping(rid)                        ->      Pong(rid)
     any request                      ->      Error(rid, code, message)
@@ -28,7 +32,16 @@ A connection goes through two phases::
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
 the connection itself (sent just before the daemon closes it). Batches keep a save of
-N keys at two round trips (reserve, commit) and a load at one plus a one-way release.
+N keys at two round trips (reserve, commit), one through the lease (put), and a load
+at one plus a one-way release.
+
+A small save takes one round trip: the client writes into its connection's LEASE
+(pool space it owns, :func:`lease_bytes` of the pool) without asking, and ``Put``
+carves each written range into a committed key (or frees it: EXISTS/BUSY); ``Return``
+gives back ranges it will not put (an aborted save, the tail of a used-up lease), and
+``want_lease`` asks for a fresh lease with the reply. The daemon only accepts ranges
+of the connection's own lease.
+
 The access key never crosses the socket: ``Auth.mac`` is :func:`auth_mac` of the
 daemon's fresh nonce.
 """
@@ -55,17 +68,23 @@ __all__ = [
     "Exists",
     "Granted",
     "Hello",
+    "Lease",
+    "Leased",
     "Message",
     "Ping",
     "Pinned",
     "Pong",
+    "Put",
     "Release",
     "Reserve",
+    "Return",
     "Stats",
     "StatsReply",
+    "Stored",
     "Welcome",
     "auth_mac",
     "from_wire",
+    "lease_bytes",
 ]
 
 _U64 = 1 << 64
@@ -224,6 +243,12 @@ def from_wire(obj: Any) -> Message:
     return cls.check(obj[1:])
 
 
+def lease_bytes(capacity_bytes: int) -> int:
+    """Size of a connection's lease in a pool of ``capacity_bytes`` (both sides compute
+    it: the client goes to the daemon for a lease only for a save that would fit)."""
+    return max(0, min(1 << 20, capacity_bytes // 64)) // 64 * 64
+
+
 def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:
     """What a client proves it holds ``access_key`` with (HMAC-SHA256 of the nonce)."""
     msg = b"ems-auth-v1\x00" + nonce + b"\x00" + access_id.encode()
@@ -316,6 +341,32 @@ class Ping(Message):
     rid: int = _field(_rid)
 
 
+@_message(18)
+class Lease(Message):
+    rid: int = _field(_rid)
+
+
+@_message(19)
+class Put(Message):
+    """Commit values written into the connection's lease at ``offsets``."""
+
+    rid: int = _field(_rid)
+    keys: list = _field(_strs)
+    offsets: list = _field(_uints)
+    sizes: list = _field(_uints)
+    want_lease: bool = _field(_bool)
+    PARALLEL = (("keys", "offsets", "sizes"),)
+
+
+@_message(20)
+class Return(Message):
+    """Give back ranges of the connection's lease (ranges not in it are ignored)."""
+
+    offsets: list = _field(_uints)
+    sizes: list = _field(_uints)
+    PARALLEL = (("offsets", "sizes"),)
+
+
 # ----------------------------------------------------------------------- replies
 
 @_message(30)
@@ -362,6 +413,26 @@ class StatsReply(Message):
 @_message(35)
 class Pong(Message):
     rid: int = _field(_rid)
+
+
+@_message(37)
+class Leased(Message):
+    """A lease of ``size`` bytes at ``offset`` (size 0: no room now)."""
+
+    rid: int = _field(_rid)
+    offset: int = _field(_uint)
+    size: int = _field(_uint)
+
+
+@_message(38)
+class Stored(Message):
+    """Per key of a Put, whether it is stored (EXISTS and BUSY count as stored), and a
+    fresh lease when one was asked for (``lease_size`` 0: none)."""
+
+    rid: int = _field(_rid)
+    ok: list = _field(_bools)
+    lease_offset: int = _field(_uint)
+    lease_size: int = _field(_uint)
 
 
 @_message(36)

@@ -14,7 +14,7 @@ A connection goes through these phases::
 
 Whatever closes a connection (EOF, a malformed or wrong-version frame, a client that
 does not read its replies, a handshake not finished within ``HANDSHAKE_TIMEOUT_S``),
-``Pool.drop_owner`` then gives back its pins and reservations, and the other
+``Pool.drop_owner`` then gives back its pins, reservations and lease, and the other
 connections are not affected. A timer calls ``Pool.expire`` so a reservation whose
 writer hangs is freed after the reservation TTL.
 """
@@ -37,6 +37,7 @@ import time
 from typing import Any, Optional
 
 from ems.errors import EmsErrorCode, EmsException
+from ems.pool.core import Pool
 from ems.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode
 from ems.protocol import messages as m
 from ems.server.config import ServerConfig
@@ -451,6 +452,13 @@ class Daemon:
             self._send(conn, m.Committed(msg.rid, pool.commit(msg.tokens, owner)))
         elif isinstance(msg, m.Abort):
             pool.abort(msg.tokens, owner)
+        elif isinstance(msg, m.Put):
+            self._put(conn, pool, msg)
+        elif isinstance(msg, m.Return):
+            pool.unlease(msg.offsets, msg.sizes, owner)
+        elif isinstance(msg, m.Lease):
+            offset, size = self._lease(pool, owner)
+            self._send(conn, m.Leased(msg.rid, offset, size))
         elif isinstance(msg, m.Acquire):
             pins = pool.acquire(msg.keys, msg.sizes, owner)
             self._send(conn, m.Pinned(msg.rid, [p.token for p in pins],
@@ -462,6 +470,22 @@ class Daemon:
         else:
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
                                f"{type(msg).__name__} is not a request")
+
+    @staticmethod
+    def _lease(pool: Pool, owner: int) -> tuple[int, int]:
+        """A fresh lease for ``owner``: (offset, size), or (0, 0) when there is no room."""
+        size = m.lease_bytes(pool.capacity_bytes)
+        offset = pool.lease(size, owner) if size else None
+        return (0, 0) if offset is None else (offset, size)
+
+    def _put(self, conn: _Conn, pool: Pool, msg: m.Put) -> None:
+        try:
+            pool.carve(msg.keys, msg.offsets, msg.sizes, conn.id)
+        except ValueError as exc:  # only its own lease: anything else ends the connection
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
+        offset, size = self._lease(pool, conn.id) if msg.want_lease else (0, 0)
+        # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
+        self._send(conn, m.Stored(msg.rid, [True] * len(msg.keys), offset, size))
 
     # ------------------------------------------------------------ statistics
     def report(self, conn: Optional[_Conn] = None, all_tenants: bool = True) -> dict[str, Any]:
