@@ -39,6 +39,7 @@ __all__ = ["ContextCaching", "ContextCache_v1"]
 logger = logging.getLogger(__name__)
 
 _V1_WORDS = ("slot_mapping", "hashes", "offsets", "chunk_descs")
+_NEW = GrantStatus.NEW
 
 
 class ContextCaching:
@@ -176,7 +177,10 @@ class ContextCaching:
         return layout, prefix
 
     def _normalize(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        if args and type(args[0]) is CcKvOption:  # V0 (its option comes first)
+            return self._normalize_v0(op, args, kwargs)
         # V1's first positional argument is slot_mapping (a list, or a tensor/array);
         # V0's is the option, so anything else there (None, a dict...) is a bad V0
         # option and gets the V0 error that names ``option``.
@@ -186,12 +190,16 @@ class ContextCaching:
         return self._normalize_v0(op, args, kwargs)
 
     def _normalize_v0(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
-        names = ("option", "key_list", "value_list")
-        bound = self._bind(op, names, args, kwargs)
-        option = validate_option(bound.get("option"), required=True)
-        storage_keys = _keys.v0_storage_keys(bound.get("key_list"))
-        regions = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
-        sizes = [sum(n for _, n in r) for r in regions]
+        if len(args) == 3 and not kwargs:  # the usual call: all three by position
+            option, key_list, value_list = args
+        else:
+            bound = self._bind(op, ("option", "key_list", "value_list"), args, kwargs)
+            option, key_list, value_list = (bound.get("option"), bound.get("key_list"),
+                                            bound.get("value_list"))
+        option = validate_option(option, required=True)
+        storage_keys = _keys.v0_storage_keys(key_list)
+        regions = _keys.validate_buffers(value_list, len(storage_keys))
+        sizes = [r[0][1] if len(r) == 1 else sum(n for _, n in r) for r in regions]
         return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
@@ -289,7 +297,7 @@ class ContextCaching:
     def _run_save(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
         t = self._transport
         slots = t.reserve(req.keys, req.sizes, task)
-        new = [i for i, s in enumerate(slots) if s.status is GrantStatus.NEW]
+        new = [i for i, s in enumerate(slots) if s.status is _NEW]
         tokens = [slots[i].token for i in new]
         try:
             if new:
@@ -300,7 +308,10 @@ class ContextCaching:
             if tokens:
                 cleanup.append(lambda: t.abort(tokens))
             raise
-        committed = dict(zip(new, t.commit(tokens, task))) if tokens else {}
+        ok = t.commit(tokens, task) if tokens else []
+        if len(new) == len(slots) and all(ok):  # every key new, every commit done
+            return CcResult(len(slots), len(slots))
+        committed = dict(zip(new, ok))
         success = 0
         for i, s in enumerate(slots):
             if not (s.stored or committed.get(i, False)):

@@ -226,12 +226,12 @@ class RemoteTransport(Transport):
         """Slots of the lease for a small save (None: go the usual way)."""
         segment = session.segment
         assert segment is not None
-        limit = m.lease_bytes(segment.size) // 4
-        if not keys or sum(max(_ALIGN, n) for n in sizes) > limit:
+        if not keys or sum(sizes) + _ALIGN * len(sizes) > session.small_save_bytes:
             return None
-        self._check_open()
-        remaining = task.remaining_s()
-        if remaining is not None and remaining <= 0:
+        if self._closed:
+            self._check_open()
+        deadline = task.deadline
+        if deadline is not None and deadline <= time.monotonic():
             raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, f"{task.what} ran out of time")
         ids = session.take(keys, sizes)
         if ids is None:
@@ -255,15 +255,15 @@ class RemoteTransport(Transport):
         if not tokens:
             return []
         session = self._session
-        gens = {t >> _GEN_SHIFT for t in tokens}
-        if session is None or session.broken is not None or gens != {session.gen}:
+        if session is None or session.broken is not None or any(
+                t >> _GEN_SHIFT != session.gen for t in tokens):
             raise _io_error("the connection to ems-server was lost during this save; "
                             "its reservations are gone")
-        if any(t & _LOCAL for t in tokens):
-            if all(t & _LOCAL for t in tokens):
+        local = [t for t in tokens if t & _LOCAL]
+        if local:
+            if len(local) == len(tokens):
                 return self._put(session, tokens, task)
-            ok = dict(zip([t for t in tokens if t & _LOCAL],
-                          self._put(session, [t for t in tokens if t & _LOCAL], task)))
+            ok = dict(zip(local, self._put(session, local, task)))
             ok.update(zip([t for t in tokens if not t & _LOCAL],
                           self.commit([t for t in tokens if not t & _LOCAL], task)))
             return [ok[t] for t in tokens]
@@ -283,12 +283,10 @@ class RemoteTransport(Transport):
         """Commit slots of the lease: one Put, one round trip."""
         with session.lease_lock:
             entries = [session.local.pop(t & _LOCAL_MASK, None) for t in tokens]
-        if any(e is None for e in entries):
+        if None in entries:
             self._give_back(session, [e for e in entries if e is not None])
             raise _io_error("slots of this save were given back already")
-        keys = [e[0] for e in entries]  # type: ignore[index]
-        offsets = [e[1] for e in entries]  # type: ignore[index]
-        sizes = [e[2] for e in entries]  # type: ignore[index]
+        keys, offsets, sizes = (list(column) for column in zip(*entries))
         want = session.want_lease()
         try:
             _, reply = self._call(lambda rid: m.Put(rid, keys, offsets, sizes, want), task,

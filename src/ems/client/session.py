@@ -27,9 +27,12 @@ from ems.client.segment import Segment
 from ems.client.transport import GrantStatus
 from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import FrameDecoder, auth_mac, encode
+from ems.protocol.framing import NOTHING as _NOTHING
 from ems.protocol import messages as m
 
 __all__ = ["LIVENESS_S"]
+
+_monotonic = time.monotonic
 
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,8 @@ class _Session:
         self.lease_asked = False  # a Put with want_lease is in flight
         self.lease_refused_until = 0.0
         self.local: dict[int, tuple[str, int, int]] = {}
+        #: a save of at most this many bytes goes through the lease
+        self.small_save_bytes = m.lease_bytes(segment.size) // 4 if segment is not None else 0
         self._local_ids = itertools.count(1)
         sock.settimeout(LIVENESS_S)  # bounds sendall to a daemon that stopped reading
         self._read_poll = select.poll()  # the leader's
@@ -311,6 +316,7 @@ class _Session:
         """As the leader: read and deliver until ``waiter`` has its reply, or (the
         watcher, ``waiter`` None) until nothing is due, or until ``deadline``. A broken
         stream fails the session (every waiter gets the error)."""
+        poll, recv, decoder = self._read_poll.poll, self.sock.recv, self._decoder
         try:
             while True:
                 if waiter is not None:
@@ -319,20 +325,23 @@ class _Session:
                 elif self.broken is not None or self._pending or not (
                         self._orphans or self._hangup):
                     return
-                remaining = deadline - time.monotonic()
+                remaining = deadline - _monotonic()
                 if remaining <= 0:
                     return
-                if not self._read_poll.poll(math.ceil(remaining * 1000)):
+                if not poll(math.ceil(remaining * 1000)):
                     continue
                 try:
-                    data = self.sock.recv(1 << 16)
+                    data = recv(1 << 16)
                 except socket.timeout:  # a false positive of poll
                     continue
                 if not data:
                     raise _io_error("ems-server closed the connection")
-                self._decoder.feed(data)
-                for msg in self._decoder:
-                    self._deliver(msg)
+                decoder.feed(data)
+                while True:
+                    body = decoder.next_body()
+                    if body is _NOTHING:
+                        break
+                    self._deliver(m.from_wire(body))
         except EmsException as exc:
             self.fail(exc)
         except OSError as exc:

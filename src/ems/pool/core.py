@@ -38,7 +38,7 @@ import dataclasses
 import enum
 import itertools
 import time
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, NamedTuple, Optional, Sequence
 
 from ems.pool.allocator import Allocator
 from ems.pool.eviction import LruPolicy
@@ -56,16 +56,18 @@ class GrantStatus(enum.IntEnum):
     TOO_LARGE = 4  #: bigger than the whole pool
 
 
-@dataclasses.dataclass(frozen=True)
-class Grant:
+class Grant(NamedTuple):
+    """The answer to reserving one key (NamedTuples: built per key, cheaply)."""
+
     status: GrantStatus
     token: int = 0
     offset: int = 0
     size: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Pin:
+class Pin(NamedTuple):
+    """One pinned object: where its bytes are, and the token that unpins it."""
+
     token: int
     offset: int
     size: int

@@ -12,6 +12,7 @@ from ems.protocol.framing import (
     PROTOCOL_VERSION,
     FrameDecoder,
     encode,
+    encode_wire,
     protocol_error,
 )
 from ems.protocol.messages import auth_mac
@@ -23,6 +24,7 @@ __all__ = [
     "FrameDecoder",
     "auth_mac",
     "encode",
+    "encode_wire",
     "messages",
     "protocol_error",
 ]

@@ -23,26 +23,36 @@ sane reaction to a corrupt stream is to close it.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any, Iterator, Optional
 
 import msgpack
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.protocol.messages import Message, from_wire
+from ems.protocol.messages import MESSAGES, Message, from_wire
 
 __all__ = [
     "HEADER",
     "MAGIC",
     "MAX_FRAME_BYTES",
+    "NOTHING",
     "PROTOCOL_VERSION",
     "FrameDecoder",
     "encode",
+    "encode_wire",
     "protocol_error",
 ]
 
 MAGIC = b"EM"
 PROTOCOL_VERSION = 2  # 2: leases (Lease, Put, Return)
 HEADER = struct.Struct(">2sBBI")  # 8 bytes
+_pack_header = HEADER.pack
+_unpack_header = HEADER.unpack_from
+_local = threading.local()
+_unpackb = msgpack.unpackb
+#: ``next_body()``'s answer when no complete frame is buffered (a body may decode to
+#: None, so None cannot say it)
+NOTHING = object()
 #: Largest body either side accepts (a batch of ~250k keys of 128 bytes fits).
 MAX_FRAME_BYTES = 32 << 20
 
@@ -53,11 +63,25 @@ def protocol_error(message: str) -> EmsException:
 
 def encode(message: Message, version: int = PROTOCOL_VERSION) -> bytes:
     """One frame holding ``message`` (``version`` is only overridden by tests)."""
-    body = msgpack.packb(message.to_wire(), use_bin_type=True)
+    return encode_wire(message.to_wire(), version)
+
+
+def encode_wire(wire: list[Any], version: int = PROTOCOL_VERSION) -> bytes:
+    """One frame holding a message in its wire form, ``[TYPE, field, ...]`` (the
+    daemon answers this way without building reply objects)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:  # one per thread: a Packer is not thread-safe, and is reused
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)  # (packb builds one)
+    try:
+        body = packer.pack(wire)
+    except BaseException:
+        _local.packer = None  # a failed pack may leave bytes in its buffer
+        raise
     if len(body) > MAX_FRAME_BYTES:
-        raise protocol_error(f"{type(message).__name__} is {len(body)} bytes, more than "
-                             f"the {MAX_FRAME_BYTES} a frame may hold; split the batch")
-    return HEADER.pack(MAGIC, version, 0, len(body)) + body
+        name = getattr(MESSAGES.get(wire[0]), "__name__", "message")
+        raise protocol_error(f"{name} is {len(body)} bytes, more than the "
+                             f"{MAX_FRAME_BYTES} a frame may hold; split the batch")
+    return _pack_header(MAGIC, version, 0, len(body)) + body
 
 
 class FrameDecoder:
@@ -82,6 +106,35 @@ class FrameDecoder:
 
     def next_message(self) -> Optional[Message]:
         """The next complete message, or None until more bytes arrive."""
+        body = self.next_body()
+        return None if body is NOTHING else self._message(body)
+
+    def __iter__(self) -> Iterator[Message]:
+        while True:
+            body = self.next_body()
+            if body is NOTHING:
+                return
+            yield self._message(body)
+
+    def _message(self, body: Any) -> Message:
+        try:
+            return from_wire(body)
+        except EmsException as exc:  # a bad message fails the stream, as a bad frame does
+            self._failed = exc
+            self._buf.clear()
+            raise
+
+    def bodies(self) -> Iterator[Any]:
+        """Every complete frame's decoded body, unchecked (``messages.wire_class`` and
+        ``validate`` check it): the daemon's request path builds no message objects."""
+        while True:
+            body = self.next_body()
+            if body is NOTHING:
+                return
+            yield body
+
+    def next_body(self) -> Any:
+        """The next complete frame's decoded body, or :data:`NOTHING`."""
         if self._failed is not None:
             raise self._failed
         try:
@@ -91,40 +144,29 @@ class FrameDecoder:
             self._buf.clear()
             raise
 
-    def __iter__(self) -> Iterator[Message]:
-        while True:
-            msg = self.next_message()
-            if msg is None:
-                return
-            yield msg
-
-    def _next(self) -> Optional[Message]:
+    def _next(self) -> Any:
         buf = self._buf
         n = len(buf)
         if n < 8:  # HEADER.size
             if buf and not MAGIC.startswith(bytes(buf[:2])):
                 raise protocol_error("not an ems frame (bad magic); is this an ems client?")
-            return None
-        magic, version, flags, length = HEADER.unpack_from(buf)
+            return NOTHING
+        magic, version, flags, length = _unpack_header(buf)
         if magic != MAGIC or version != PROTOCOL_VERSION or flags or (
                 length > self.max_frame_bytes):
             self._bad_header(magic, version, flags, length)
         end = 8 + length
         if n < end:
-            return None
-        obj = self._unpack(bytes(buf[8:end]))  # (a memoryview is slower for small bodies)
+            return NOTHING
+        try:  # (a bytes copy unpacks faster than a memoryview for small bodies)
+            obj = _unpackb(bytes(buf[8:end]), raw=False, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
+            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
         if n == end:  # the usual case: one whole frame
             buf.clear()
         else:
             del buf[:end]
-        return from_wire(obj)
-
-    @staticmethod
-    def _unpack(body: Any) -> Any:
-        try:
-            return msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
-            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
+        return obj
 
     def _bad_header(self, magic: bytes, version: int, flags: int, length: int) -> None:
         if magic != MAGIC:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import operator
 from typing import Any, Callable, ClassVar, Optional
 
 from ems.errors import EmsErrorCode, EmsException
@@ -85,6 +86,7 @@ __all__ = [
     "auth_mac",
     "from_wire",
     "lease_bytes",
+    "wire_class",
 ]
 
 _U64 = 1 << 64
@@ -188,11 +190,20 @@ class Message:
     _CHECKS: ClassVar[tuple[Callable[[Any], bool], ...]] = ()
     _PARALLEL_IDX: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
+    _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
+
     def to_wire(self) -> list[Any]:
-        return [self.TYPE, *[getattr(self, n) for n in self._NAMES]]
+        return [self.TYPE, *self._fields_of(self)]
 
     @classmethod
     def check(cls, values: list[Any]) -> "Message":
+        """The message of decoded field values, checked (``EMS_PROTOCOL_ERROR``)."""
+        return cls(*cls.validate(values))
+
+    @classmethod
+    def validate(cls, values: list[Any]) -> list[Any]:
+        """Check decoded field values and return them as they are (the daemon's hot
+        path uses them positionally, without building a message object)."""
         checks = cls._CHECKS
         if len(values) != len(checks):
             raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
@@ -203,11 +214,18 @@ class Message:
                            f"{_short(values[i])}")
             i += 1
         for group in cls._PARALLEL_IDX:
-            lengths = {len(values[i]) for i in group if values[i] is not None}
-            if len(lengths) > 1:
-                raise _bad(f"{cls.__name__}: {', '.join(cls._NAMES[i] for i in group)} "
-                           f"must have equal lengths")
-        return cls(*values)
+            n = -1
+            for i in group:
+                v = values[i]
+                if v is not None and n != len(v):
+                    if n >= 0:
+                        break
+                    n = len(v)
+            else:
+                continue
+            raise _bad(f"{cls.__name__}: {', '.join(cls._NAMES[i] for i in group)} "
+                       f"must have equal lengths")
+        return values
 
 
 def _short(v: Any) -> str:
@@ -225,6 +243,8 @@ def _message(code: int) -> Callable[[type], type]:
         fields = dataclasses.fields(cls)
         cls._NAMES = tuple(f.name for f in fields)
         cls._CHECKS = tuple(f.metadata["check"] for f in fields)
+        get = operator.attrgetter(*cls._NAMES)  # (one name: a value, not a tuple)
+        cls._fields_of = staticmethod(get if len(cls._NAMES) > 1 else lambda msg: (get(msg),))
         cls._PARALLEL_IDX = tuple(tuple(cls._NAMES.index(n) for n in group)
                                   for group in cls.PARALLEL)
         assert code not in MESSAGES
@@ -235,12 +255,18 @@ def _message(code: int) -> Callable[[type], type]:
 
 def from_wire(obj: Any) -> Message:
     """Check and build the message of a decoded msgpack body."""
+    cls = wire_class(obj)
+    return cls(*cls.validate(obj[1:]))
+
+
+def wire_class(obj: Any) -> type[Message]:
+    """The message class a decoded msgpack body claims to be (its fields unchecked)."""
     if type(obj) is not list or not obj or type(obj[0]) is not int:
         raise _bad("a message must be an array that starts with its type code")
     cls = MESSAGES.get(obj[0])
     if cls is None:
         raise _bad(f"unknown message type {obj[0]}")
-    return cls.check(obj[1:])
+    return cls
 
 
 def lease_bytes(capacity_bytes: int) -> int:

@@ -28,7 +28,7 @@ import fcntl
 import logging
 import os
 import secrets
-import selectors
+import select
 import signal
 import socket
 import stat
@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import Pool
-from ems.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode
+from ems.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode, encode_wire
 from ems.protocol import messages as m
 from ems.server.config import ServerConfig
 from ems.server.tenants import Tenant, TenantRegistry
@@ -50,8 +50,12 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
 HANDSHAKE_FRAME_BYTES = 4096  # no handshake message is bigger; limits unauthenticated memory
 MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is dropped
-_RECV_BYTES = 256 << 10
+#: Bytes asked of one recv. Not more: CPython allocates that much for every recv, and
+#: past malloc's mmap threshold (128 KiB) each call maps and unmaps it (~15 us).
+_RECV_BYTES = 64 << 10
 _PEERCRED = struct.Struct("3i")
+#: A readable connection: data, EOF or an error (recv tells which).
+_READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 
 
 class DaemonError(Exception):
@@ -95,7 +99,8 @@ class Daemon:
         self.config = config
         self.registry = registry
         self.path = config.socket_path
-        self._sel = selectors.DefaultSelector()
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its _Conn
         self._conns: dict[int, _Conn] = {}
         self._ids = 0
         self._listener: Optional[socket.socket] = None
@@ -136,8 +141,8 @@ class Daemon:
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
-        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._watch(self._listener, "listen")
+        self._watch(self._wake_r, "wake")
         self._started = time.monotonic()
 
     def _take_socket(self, path: str) -> None:
@@ -187,9 +192,11 @@ class Daemon:
         try:
             next_tick = time.monotonic() + self._tick_s
             while not self._stopping:
-                events = self._sel.select(max(0.0, next_tick - time.monotonic()))
-                for key, mask in events:
-                    self._dispatch(key.data, mask)
+                events = self._epoll.poll(max(0.0, next_tick - time.monotonic()))
+                for fd, mask in events:
+                    data = self._by_fd.get(fd)
+                    if data is not None:
+                        self._dispatch(data, mask)
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + self._tick_s
@@ -203,7 +210,7 @@ class Daemon:
         for conn in list(self._conns.values()):
             self._close(conn, "ems-server is stopping")
         if self._listener is not None:
-            self._sel.unregister(self._listener)
+            self._unwatch(self._listener)
             self._listener.close()
             self._listener = None
             try:  # only our own socket: a successor may have replaced it
@@ -213,15 +220,24 @@ class Daemon:
                 pass
         for s in (self._wake_r, self._wake_w):
             if s is not None:
-                try:
-                    self._sel.unregister(s)
-                except (KeyError, ValueError):
-                    pass
+                self._unwatch(s)
                 s.close()
         self._wake_r = self._wake_w = None
         self.registry.close()
         self._release_lock()
-        self._sel.close()
+        self._epoll.close()
+
+    def _watch(self, sock: socket.socket, data: Any) -> None:
+        self._by_fd[sock.fileno()] = data
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        if self._by_fd.pop(fd, None) is not None:
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
 
     def _release_lock(self) -> None:
         if self._lock_fd >= 0:
@@ -239,9 +255,9 @@ class Daemon:
                 pass
         else:
             conn: _Conn = data
-            if mask & selectors.EVENT_WRITE:
+            if mask & select.EPOLLOUT:
                 self._flush(conn)
-            if mask & selectors.EVENT_READ and conn.phase is not _Phase.CLOSED:
+            if mask & _READABLE and conn.phase is not _Phase.CLOSED:
                 self._on_readable(conn)
 
     def _tick(self) -> None:
@@ -274,7 +290,7 @@ class Daemon:
             self._ids += 1
             conn = _Conn(self._ids, sock, pid, uid, time.monotonic())
             self._conns[conn.id] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._watch(sock, conn)
             logger.debug("ems-server: %s opened", conn)
 
     def _on_readable(self, conn: _Conn) -> None:
@@ -290,8 +306,12 @@ class Daemon:
             return
         conn.decoder.feed(data)
         try:
-            for msg in conn.decoder:
-                self._handle(conn, msg)
+            for body in conn.decoder.bodies():
+                cls = m.wire_class(body)
+                if conn.phase is _Phase.READY:
+                    self._request(conn, cls, cls.validate(body[1:]))
+                else:
+                    self._handle(conn, cls.check(body[1:]))
                 if conn.phase is _Phase.CLOSED:
                     return
         except EmsException as exc:
@@ -303,7 +323,24 @@ class Daemon:
 
     # ------------------------------------------------------------ output
     def _send(self, conn: _Conn, msg: m.Message, fds: tuple[int, ...] = ()) -> None:
-        data = encode(msg)
+        self._send_frame(conn, encode(msg), fds)
+
+    def _reply(self, conn: _Conn, cls: type[m.Message], *fields: Any) -> None:
+        """Answer with a message of ``cls`` given by its fields (no object is built)."""
+        self._send_frame(conn, encode_wire([cls.TYPE, *fields]))
+
+    def _send_frame(self, conn: _Conn, data: bytes, fds: tuple[int, ...] = ()) -> None:
+        if not conn.out and not fds:  # the usual case: straight out, nothing queued
+            try:
+                n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            if n == len(data):
+                return
+            data = data[n:]
         conn.out.append([memoryview(data), fds])
         conn.out_bytes += len(data)
         if conn.out_bytes > MAX_PENDING_OUTPUT:
@@ -332,8 +369,8 @@ class Daemon:
             conn.out.popleft()
         want = bool(conn.out)
         if want != conn.writing and conn.phase is not _Phase.CLOSED:
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
-            self._sel.modify(conn.sock, events, conn)
+            self._epoll.modify(conn.sock.fileno(),
+                               select.EPOLLIN | (select.EPOLLOUT if want else 0))
             conn.writing = want
 
     def _fail(self, conn: _Conn, exc: EmsException) -> None:
@@ -352,10 +389,7 @@ class Daemon:
             return
         conn.phase = _Phase.CLOSED
         self._conns.pop(conn.id, None)
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+        self._unwatch(conn.sock)
         conn.sock.close()
         conn.out.clear()
         if conn.tenant is not None:
@@ -365,9 +399,7 @@ class Daemon:
 
     # ------------------------------------------------------------ messages
     def _handle(self, conn: _Conn, msg: m.Message) -> None:
-        if conn.phase is _Phase.READY:
-            self._request(conn, msg)
-        elif conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
+        if conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
             self._hello(conn, msg)
         elif conn.phase is _Phase.AUTH and isinstance(msg, m.Auth):
             self._auth(conn, msg)
@@ -423,53 +455,70 @@ class Daemon:
                                        ttl, server), fds=(tenant.fd,))
         logger.debug("ems-server: %s ready", conn)
 
-    def _request(self, conn: _Conn, msg: m.Message) -> None:
-        if isinstance(msg, m.Ping):
-            self._send(conn, m.Pong(msg.rid))
+    def _request(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
+        """A checked request of a ready connection, its fields positional in ``v``
+        (the order of the message's fields); one handler per message type."""
+        if cls is m.Ping:
+            self._reply(conn, m.Pong, v[0])
             return
-        if isinstance(msg, m.Stats):
-            self._send(conn, m.StatsReply(msg.rid, self.report(conn, msg.all_tenants)))
+        if cls is m.Stats:
+            self._reply(conn, m.StatsReply, v[0], self.report(conn, v[1]))
             return
-        tenant = conn.tenant
-        if tenant is None:
-            rid = getattr(msg, "rid", None)
-            if rid is None:
-                return
-            self._send(conn, m.Error(rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
-                                     "an admin session has no pool"))
-            return
-        pool, owner = tenant.pool, conn.id
-        if isinstance(msg, m.Reserve):
-            if any(size <= 0 for size in msg.sizes):
-                self._send(conn, m.Error(msg.rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
-                                         "sizes must be > 0"))
-                return
-            grants = pool.reserve(msg.keys, msg.sizes, owner)
-            self._send(conn, m.Granted(msg.rid, [int(g.status) for g in grants],
-                                       [g.token for g in grants], [g.offset for g in grants],
-                                       [g.size for g in grants]))
-        elif isinstance(msg, m.Commit):
-            self._send(conn, m.Committed(msg.rid, pool.commit(msg.tokens, owner)))
-        elif isinstance(msg, m.Abort):
-            pool.abort(msg.tokens, owner)
-        elif isinstance(msg, m.Put):
-            self._put(conn, pool, msg)
-        elif isinstance(msg, m.Return):
-            pool.unlease(msg.offsets, msg.sizes, owner)
-        elif isinstance(msg, m.Lease):
-            offset, size = self._lease(pool, owner)
-            self._send(conn, m.Leased(msg.rid, offset, size))
-        elif isinstance(msg, m.Acquire):
-            pins = pool.acquire(msg.keys, msg.sizes, owner)
-            self._send(conn, m.Pinned(msg.rid, [p.token for p in pins],
-                                      [p.offset for p in pins], [p.size for p in pins]))
-        elif isinstance(msg, m.Release):
-            pool.release(msg.tokens, owner)
-        elif isinstance(msg, m.Exists):
-            self._send(conn, m.Count(msg.rid, pool.exists(msg.keys, msg.sizes)))
-        else:
+        handler = _HANDLERS.get(cls)
+        if handler is None:
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
-                               f"{type(msg).__name__} is not a request")
+                               f"{cls.__name__} is not a request")
+        if conn.tenant is None:
+            if "rid" in cls._NAMES:  # (one-way messages get no answer)
+                self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+                            "an admin session has no pool")
+            return
+        handler(self, conn, conn.tenant.pool, v)
+
+    def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        rid, keys, sizes = v
+        if any(size <= 0 for size in sizes):
+            self._reply(conn, m.Error, rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+                        "sizes must be > 0")
+            return
+        grants = pool.reserve(keys, sizes, conn.id)
+        self._reply(conn, m.Granted, rid, [int(g.status) for g in grants],
+                    [g.token for g in grants], [g.offset for g in grants],
+                    [g.size for g in grants])
+
+    def _on_commit(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        self._reply(conn, m.Committed, v[0], pool.commit(v[1], conn.id))
+
+    def _on_abort(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        pool.abort(v[0], conn.id)
+
+    def _on_put(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        rid, keys, offsets, sizes, want_lease = v
+        try:
+            pool.carve(keys, offsets, sizes, conn.id)
+        except ValueError as exc:  # only its own lease: anything else ends the connection
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
+        offset, size = self._lease(pool, conn.id) if want_lease else (0, 0)
+        # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
+        self._reply(conn, m.Stored, rid, [True] * len(keys), offset, size)
+
+    def _on_return(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        pool.unlease(v[0], v[1], conn.id)
+
+    def _on_lease(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        self._reply(conn, m.Leased, v[0], *self._lease(pool, conn.id))
+
+    def _on_acquire(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        rid, keys, sizes = v
+        pins = pool.acquire(keys, sizes, conn.id)
+        self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
+                    [p.size for p in pins])
+
+    def _on_release(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        pool.release(v[0], conn.id)
+
+    def _on_exists(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        self._reply(conn, m.Count, v[0], pool.exists(v[1], v[2]))
 
     @staticmethod
     def _lease(pool: Pool, owner: int) -> tuple[int, int]:
@@ -477,15 +526,6 @@ class Daemon:
         size = m.lease_bytes(pool.capacity_bytes)
         offset = pool.lease(size, owner) if size else None
         return (0, 0) if offset is None else (offset, size)
-
-    def _put(self, conn: _Conn, pool: Pool, msg: m.Put) -> None:
-        try:
-            pool.carve(msg.keys, msg.offsets, msg.sizes, conn.id)
-        except ValueError as exc:  # only its own lease: anything else ends the connection
-            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
-        offset, size = self._lease(pool, conn.id) if msg.want_lease else (0, 0)
-        # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
-        self._send(conn, m.Stored(msg.rid, [True] * len(msg.keys), offset, size))
 
     # ------------------------------------------------------------ statistics
     def report(self, conn: Optional[_Conn] = None, all_tenants: bool = True) -> dict[str, Any]:
@@ -518,3 +558,17 @@ class Daemon:
             row["connections"] = t.connections
             out["tenants"][t.name] = row
         return out
+
+
+#: The request handlers of a tenant session, by message class.
+_HANDLERS = {
+    m.Reserve: Daemon._on_reserve,
+    m.Commit: Daemon._on_commit,
+    m.Abort: Daemon._on_abort,
+    m.Put: Daemon._on_put,
+    m.Return: Daemon._on_return,
+    m.Lease: Daemon._on_lease,
+    m.Acquire: Daemon._on_acquire,
+    m.Release: Daemon._on_release,
+    m.Exists: Daemon._on_exists,
+}
