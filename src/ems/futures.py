@@ -69,6 +69,8 @@ class Task:
         self._cancelled = False
         self._result: Optional[CcResult] = None
         self._error: Optional[EmsException] = None
+        #: runs in its caller's thread (a synchronous call): it may poll for replies
+        self.inline = False
 
     # ----------------------------------------------------------- worker side
     def start(self) -> bool:

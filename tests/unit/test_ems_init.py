@@ -266,6 +266,9 @@ def test_auto_mode_without_socket_uses_the_embedded_pool(monkeypatch, tmp_path):
     ("EMS_WORKERS", "0"),
     ("EMS_WORKERS", "four"),
     ("EMS_CONNECT_TIMEOUT_MS", "-1"),
+    ("EMS_SPIN_US", "-1"),
+    ("EMS_SPIN_US", "fast"),
+    ("EMS_SPIN_US", "2000000"),
 ])
 def test_bad_environment_is_invalid(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -274,6 +277,14 @@ def test_bad_environment_is_invalid(monkeypatch, var, value):
     assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
     assert var in info.value.message()
     assert Ems.get_cc() is None
+
+
+@pytest.mark.parametrize("value, expected", [(None, 200), ("0", 0), ("1500", 1500)])
+def test_spin_comes_from_the_environment(monkeypatch, value, expected):
+    from ems.config import PoolSettings
+
+    env = {} if value is None else {"EMS_SPIN_US": value}
+    assert PoolSettings.from_env(env).spin_us == expected
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -241,6 +241,7 @@ class ContextCaching:
 
     def _run_here(self, req: _keys.Request) -> CcResult:
         task = Task(req.option.timeout, req.what)
+        task.inline = True
         with self._lock:
             if self._closed:
                 raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,

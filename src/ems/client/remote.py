@@ -105,8 +105,10 @@ class RemoteTransport(Transport):
     kind = "server"
 
     def __init__(self, path: str, access_id: Optional[str], access_key: Optional[str],
-                 connect_timeout_s: float, session: _Session) -> None:
+                 connect_timeout_s: float, session: _Session, spin_s: float = 0.0) -> None:
         self.path = path
+        #: synchronous calls poll this long for a reply before sleeping (EMS_SPIN_US)
+        self.spin_s = spin_s
         self._access_id = access_id
         self._access_key = access_key
         self._connect_timeout_s = connect_timeout_s
@@ -118,12 +120,12 @@ class RemoteTransport(Transport):
 
     @classmethod
     def connect(cls, sock_path: str, access_id: Optional[str], access_key: Optional[str],
-                timeout_s: float) -> "RemoteTransport":
+                timeout_s: float, spin_s: float = 0.0) -> "RemoteTransport":
         """Connect and authenticate within ``timeout_s``; raises ``EMS_UNAVAILABLE`` (no
         daemon answers), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
         ``EMS_PROTOCOL_ERROR``."""
         session = _Session.open(sock_path, access_id, access_key, timeout_s, gen=1)
-        return cls(sock_path, access_id, access_key, timeout_s, session)
+        return cls(sock_path, access_id, access_key, timeout_s, session, spin_s)
 
     # ------------------------------------------------------------ sessions
     def _live(self, timeout_s: float) -> _Session:
@@ -173,8 +175,10 @@ class RemoteTransport(Transport):
         start = time.monotonic()
         if session is None:
             session = self._live(wait_s)
+        spin_s = self.spin_s if task is not None and task.inline else 0.0
         try:
-            reply = session.request(msg_for, max(0.0, wait_s - (time.monotonic() - start)))
+            reply = session.request(msg_for, max(0.0, wait_s - (time.monotonic() - start)),
+                                    spin_s)
         except socket.timeout:
             if task is not None and remaining is None:
                 session.fail(_io_error(f"ems-server did not answer within {LIVENESS_S:.0f} s"))

@@ -49,7 +49,8 @@ def open_transport(settings: PoolSettings, config: EmsConfig) -> Transport:
         raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
                            "EMS_POOL=server: this build has no daemon client") from None
     transport = RemoteTransport.connect(sock, config.access_id, config.access_key,
-                                        settings.connect_timeout_ms / 1000.0)
+                                        settings.connect_timeout_ms / 1000.0,
+                                        spin_s=settings.spin_us / 1e6)
     logger.info("ems: using the ems-server daemon at %s", sock)
     return transport
 

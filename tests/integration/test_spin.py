@@ -1,0 +1,93 @@
+"""Synchronous calls poll for the daemon's reply for EMS_SPIN_US before sleeping;
+asynchronous ones never poll; either way the answers are the same, also when the
+reply takes longer than the spin."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from client_worker import Value, pattern
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig
+
+pytestmark = pytest.mark.integration
+
+OPT = CcKvOption(timeout=5000)
+
+
+def _record_spins(cc):
+    """Wrap the session's request to record the spin each request asked for."""
+    session = cc._transport._session
+    spins: list[float] = []
+    request = session.request
+
+    def recording(msg_for, wait_s, spin_s=0.0):
+        spins.append(spin_s)
+        return request(msg_for, wait_s, spin_s)
+    session.request = recording
+    return spins
+
+
+def _init(client_env, server, monkeypatch, spin_us=None):
+    client_env(server)
+    if spin_us is not None:
+        monkeypatch.setenv("EMS_SPIN_US", str(spin_us))
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="spin")))
+    return Ems.get_cc()
+
+
+def test_sync_calls_spin_and_async_calls_do_not(server, client_env, monkeypatch):
+    cc = _init(client_env, server, monkeypatch)
+    try:
+        assert cc._transport.spin_s == pytest.approx(200e-6)
+        spins = _record_spins(cc)
+        value = Value(4096, pattern("a", 4096))
+        assert cc.save(OPT, ["a"], [value.wrappers()]).success == 1
+        out = Value(4096)
+        assert cc.load(OPT, ["a"], [out.wrappers()]).success == 1
+        assert out.bytes() == value.bytes()
+        assert spins and all(s == pytest.approx(200e-6) for s in spins)
+        spins.clear()
+        out2 = Value(4096)
+        assert cc.async_load(OPT, ["a"], [out2.wrappers()]).result().success == 1
+        assert cc.async_save(OPT, ["b"], [value.wrappers()]).result().success == 1
+        assert out2.bytes() == value.bytes()
+        assert spins and all(s == 0.0 for s in spins)
+    finally:
+        Ems.finalize()
+
+
+def test_no_spin_when_set_to_zero(server, client_env, monkeypatch):
+    cc = _init(client_env, server, monkeypatch, spin_us=0)
+    try:
+        assert cc._transport.spin_s == 0.0
+        spins = _record_spins(cc)
+        value = Value(4096, pattern("z", 4096))
+        assert cc.save(OPT, ["z"], [value.wrappers()]).success == 1
+        out = Value(4096)
+        assert cc.load(OPT, ["z"], [out.wrappers()]).success == 1
+        assert out.bytes() == value.bytes()
+        assert spins and all(s == 0.0 for s in spins)
+    finally:
+        Ems.finalize()
+
+
+def test_a_reply_later_than_the_spin_still_arrives(server, client_env, monkeypatch):
+    """The daemon is stopped for 0.3 s, far past the 100 us spin: the call polls,
+    then sleeps in poll, and gets its answer when the daemon goes on."""
+    cc = _init(client_env, server, monkeypatch, spin_us=100)
+    try:
+        value = Value(4096, pattern("late", 4096))
+        assert cc.save(OPT, ["late"], [value.wrappers()]).success == 1
+        server.pause()
+        timer = threading.Timer(0.3, server.resume)
+        timer.start()
+        try:
+            out = Value(4096)
+            assert cc.load(OPT, ["late"], [out.wrappers()]).success == 1
+        finally:
+            timer.join()
+        assert out.bytes() == value.bytes()
+    finally:
+        Ems.finalize()
