@@ -9,6 +9,7 @@ from ems.protocol import messages
 from ems.protocol.framing import (
     HEADER,
     MAX_FRAME_BYTES,
+    NOTHING,
     PROTOCOL_VERSION,
     FrameDecoder,
     encode,
@@ -20,6 +21,7 @@ from ems.protocol.messages import auth_mac
 __all__ = [
     "HEADER",
     "MAX_FRAME_BYTES",
+    "NOTHING",
     "PROTOCOL_VERSION",
     "FrameDecoder",
     "auth_mac",

@@ -124,17 +124,10 @@ class FrameDecoder:
             self._buf.clear()
             raise
 
-    def bodies(self) -> Iterator[Any]:
-        """Every complete frame's decoded body, unchecked (``messages.wire_class`` and
-        ``validate`` check it): the daemon's request path builds no message objects."""
-        while True:
-            body = self.next_body()
-            if body is NOTHING:
-                return
-            yield body
-
     def next_body(self) -> Any:
-        """The next complete frame's decoded body, or :data:`NOTHING`."""
+        """The next complete frame's decoded body, or :data:`NOTHING`; unchecked
+        (``messages.wire_class`` and ``validate`` check it: the daemon's request path
+        builds no message objects)."""
         if self._failed is not None:
             raise self._failed
         try:

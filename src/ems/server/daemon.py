@@ -38,7 +38,14 @@ from typing import Any, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import Pool
-from ems.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode, encode_wire
+from ems.protocol import (
+    MAX_FRAME_BYTES,
+    NOTHING,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    encode,
+    encode_wire,
+)
 from ems.protocol import messages as m
 from ems.server.config import ServerConfig
 from ems.server.tenants import Tenant, TenantRegistry
@@ -246,19 +253,18 @@ class Daemon:
 
     # ------------------------------------------------------------ loop
     def _dispatch(self, data: Any, mask: int) -> None:
-        if data == "listen":
+        if type(data) is _Conn:
+            if mask & select.EPOLLOUT:
+                self._flush(data)
+            if mask & _READABLE and data.phase is not _Phase.CLOSED:
+                self._on_readable(data)
+        elif data == "listen":
             self._accept()
-        elif data == "wake":
+        else:  # "wake"
             try:
                 self._wake_r.recv(4096)  # type: ignore[union-attr]
             except OSError:
                 pass
-        else:
-            conn: _Conn = data
-            if mask & select.EPOLLOUT:
-                self._flush(conn)
-            if mask & _READABLE and conn.phase is not _Phase.CLOSED:
-                self._on_readable(conn)
 
     def _tick(self) -> None:
         freed = self.registry.expire()
@@ -304,9 +310,13 @@ class Daemon:
         if not data:
             self._close(conn, "closed by the client")
             return
-        conn.decoder.feed(data)
+        decoder = conn.decoder
+        decoder.feed(data)
         try:
-            for body in conn.decoder.bodies():
+            while True:
+                body = decoder.next_body()
+                if body is NOTHING:
+                    return
                 cls = m.wire_class(body)
                 if conn.phase is _Phase.READY:
                     self._request(conn, cls, cls.validate(body[1:]))
@@ -458,22 +468,20 @@ class Daemon:
     def _request(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
         """A checked request of a ready connection, its fields positional in ``v``
         (the order of the message's fields); one handler per message type."""
-        if cls is m.Ping:
-            self._reply(conn, m.Pong, v[0])
-            return
-        if cls is m.Stats:
-            self._reply(conn, m.StatsReply, v[0], self.report(conn, v[1]))
-            return
         handler = _HANDLERS.get(cls)
-        if handler is None:
+        tenant = conn.tenant
+        if handler is not None and tenant is not None:
+            handler(self, conn, tenant.pool, v)
+        elif cls is m.Ping:
+            self._reply(conn, m.Pong, v[0])
+        elif cls is m.Stats:
+            self._reply(conn, m.StatsReply, v[0], self.report(conn, v[1]))
+        elif handler is None:
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
                                f"{cls.__name__} is not a request")
-        if conn.tenant is None:
-            if "rid" in cls._NAMES:  # (one-way messages get no answer)
-                self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value,
-                            "an admin session has no pool")
-            return
-        handler(self, conn, conn.tenant.pool, v)
+        elif "rid" in cls._NAMES:  # an admin session (one-way messages get no answer)
+            self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+                        "an admin session has no pool")
 
     def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         rid, keys, sizes = v
