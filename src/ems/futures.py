@@ -55,8 +55,9 @@ class Cancelled(Exception):
 class Task:
     """One request: its deadline, its cancellation flag and its outcome."""
 
-    def __init__(self, timeout_ms: int, what: str) -> None:
-        self.what = what
+    def __init__(self, timeout_ms: int, what: str, keys: Optional[int] = None) -> None:
+        self._what = what
+        self._keys = keys
         self.timeout_ms = timeout_ms
         self.deadline: Optional[float] = (
             time.monotonic() + timeout_ms / 1000.0 if timeout_ms > 0 else None)
@@ -71,6 +72,11 @@ class Task:
         self._error: Optional[EmsException] = None
         #: runs in its caller's thread (a synchronous call): it may poll for replies
         self.inline = False
+
+    @property
+    def what(self) -> str:
+        """``save of 3 key(s)``: for messages (formatted only when one is needed)."""
+        return self._what if self._keys is None else f"{self._what} of {self._keys} key(s)"
 
     # ----------------------------------------------------------- worker side
     def start(self) -> bool:

@@ -91,6 +91,7 @@ _TOKEN_MASK = (1 << _GEN_SHIFT) - 1
 #: After the daemon had no room for a lease, small saves go the usual way this long.
 _LEASE_RETRY_S = 1.0
 _LOCAL_MASK = _LOCAL - 1
+_NEW = GrantStatus.NEW
 
 
 def _pack(gen: int, token: int) -> int:
@@ -163,24 +164,32 @@ class RemoteTransport(Transport):
     def _call(self, msg_for: Callable[[int], m.Message], task: Optional[Task],
               session: Optional[_Session] = None) -> tuple[_Session, m.Message]:
         """One request within the task's deadline (or the default bounds)."""
-        self._check_open()
-        remaining = task.remaining_s() if task is not None else None
+        if self._closed:
+            self._check_open()
+        bounded = True  # by the task's deadline (or CONTROL_TIMEOUT_S without a task)
+        spin_s = 0.0
         if task is None:
             wait_s = CONTROL_TIMEOUT_S
         else:
-            wait_s = LIVENESS_S if remaining is None else remaining
+            if task.inline:
+                spin_s = self.spin_s
+            if task.deadline is None:
+                wait_s, bounded = LIVENESS_S, False
+            else:
+                wait_s = task.deadline - time.monotonic()
         if wait_s <= 0:
             raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                                f"{task.what if task else 'request'} ran out of time")
-        start = time.monotonic()
         if session is None:
-            session = self._live(wait_s)
-        spin_s = self.spin_s if task is not None and task.inline else 0.0
+            session = self._session
+            if session is None or session.broken is not None:
+                start = time.monotonic()
+                session = self._live(wait_s)
+                wait_s = max(0.0, wait_s - (time.monotonic() - start))
         try:
-            reply = session.request(msg_for, max(0.0, wait_s - (time.monotonic() - start)),
-                                    spin_s)
+            reply = session.request(msg_for, wait_s, spin_s)
         except socket.timeout:
-            if task is not None and remaining is None:
+            if not bounded:
                 session.fail(_io_error(f"ems-server did not answer within {LIVENESS_S:.0f} s"))
                 raise session.broken from None  # type: ignore[misc]
             what = task.what if task is not None else "the request"
@@ -252,7 +261,10 @@ class RemoteTransport(Transport):
             if ids is None:  # other threads used it up first
                 return None
         base = _pack(session.gen, _LOCAL)
-        return [Slot(GrantStatus.NEW, base | lid, segment, offset, size)
+        if len(ids) == 1:
+            (lid, offset), = ids
+            return [Slot(_NEW, base | lid, segment, offset, sizes[0])]
+        return [Slot(_NEW, base | lid, segment, offset, size)
                 for (lid, offset), size in zip(ids, sizes)]
 
     def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
@@ -285,13 +297,20 @@ class RemoteTransport(Transport):
 
     def _put(self, session: _Session, tokens: Sequence[int], task: Task) -> list[bool]:
         """Commit slots of the lease: one Put, one round trip."""
+        local = session.local
         with session.lease_lock:
-            entries = [session.local.pop(t & _LOCAL_MASK, None) for t in tokens]
+            entries = [local.pop(t & _LOCAL_MASK, None) for t in tokens]
+            want = session.want_lease_locked()
         if None in entries:
+            if want:
+                session.lease_asked = False
             self._give_back(session, [e for e in entries if e is not None])
             raise _io_error("slots of this save were given back already")
-        keys, offsets, sizes = (list(column) for column in zip(*entries))
-        want = session.want_lease()
+        if len(entries) == 1:
+            key, offset, size = entries[0]  # type: ignore[misc]
+            keys, offsets, sizes = [key], [offset], [size]
+        else:
+            keys, offsets, sizes = (list(column) for column in zip(*entries))
         try:
             _, reply = self._call(lambda rid: m.Put(rid, keys, offsets, sizes, want), task,
                                   session)

@@ -382,27 +382,27 @@ class _Session:
              ) -> Optional[list[tuple[int, int]]]:
         """(local id, offset) of slots for ``keys`` cut from the lease, or None when it
         is short."""
-        needs = [max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN) for n in sizes]
+        needs = [max(_ALIGN, -(-n // _ALIGN) * _ALIGN) for n in sizes]
+        local, ids = self.local, []
         with self.lease_lock:
             offset = self.lease_cursor
             if offset + sum(needs) > self.lease_end:
                 return None
-            ids = []
             for key, size, need in zip(keys, sizes, needs):
                 lid = next(self._local_ids)
-                self.local[lid] = (key, offset, size)
+                local[lid] = (key, offset, size)
                 ids.append((lid, offset))
                 offset += need
             self.lease_cursor = offset
         return ids
 
-    def want_lease(self) -> bool:
-        """Whether the next Put should ask for a fresh lease (less than half left)."""
-        with self.lease_lock:
-            if self.lease_asked or 2 * (self.lease_end - self.lease_cursor) >= self.lease_size:
-                return False
-            self.lease_asked = True
-            return True
+    def want_lease_locked(self) -> bool:
+        """Whether the next Put should ask for a fresh lease (less than half left);
+        called with ``lease_lock`` held."""
+        if self.lease_asked or 2 * (self.lease_end - self.lease_cursor) >= self.lease_size:
+            return False
+        self.lease_asked = True
+        return True
 
     def install_lease(self, offset: int, size: int) -> None:
         """Use a fresh lease, giving back the unused tail of the old one; or give back
