@@ -187,18 +187,25 @@ class EmsSystem(System):
         # Generous deadline: the bench measures speed, a timeout would only lose a point.
         self.option = CcKvOption(timeout=120_000)
         self.capacity_bytes = capacity_bytes
-        self._wrappers: dict[tuple[int, int, int], list] = {}
+        self._wrappers: dict[tuple[int, int, int, int], list] = {}
+        self._last: Optional[tuple[np.ndarray, list]] = None
         self._warm_seq = 0
 
     def _values(self, arr: np.ndarray) -> list:
-        from ems import KvBufferWrapper
+        # The wrappers of a memory region are made once (the bench reuses its buffers);
+        # the latency loop passes the same array every call and finds it by id (the
+        # cache holds the array, so its id cannot be taken by another meanwhile).
+        last = self._last
+        if last is not None and last[0] is arr:
+            return last[1]
         n, size = arr.shape
-        key = (arr.ctypes.data, n, size)
+        key = (arr.ctypes.data, n, size, arr.strides[0])
         values = self._wrappers.get(key)
         if values is None:
-            base = arr.ctypes.data
-            values = [[KvBufferWrapper(base + i * arr.strides[0], size)] for i in range(n)]
+            from ems import KvBufferWrapper
+            values = [[KvBufferWrapper(key[0] + i * key[3], size)] for i in range(n)]
             self._wrappers[key] = values
+        self._last = (arr, values)
         return values
 
     def save(self, keys: Sequence[str], src: np.ndarray) -> None:
@@ -231,6 +238,7 @@ class EmsSystem(System):
 
     def close(self) -> None:
         self._wrappers.clear()
+        self._last = None
         try:
             self.cc.close()
         finally:

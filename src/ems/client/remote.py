@@ -91,7 +91,7 @@ _TOKEN_MASK = (1 << _GEN_SHIFT) - 1
 #: After the daemon had no room for a lease, small saves go the usual way this long.
 _LEASE_RETRY_S = 1.0
 _LOCAL_MASK = _LOCAL - 1
-_NEW = GrantStatus.NEW
+_NEW, _EXISTS = GrantStatus.NEW, GrantStatus.EXISTS
 
 
 def _pack(gen: int, token: int) -> int:
@@ -353,17 +353,21 @@ class RemoteTransport(Transport):
         self._post_tokens(tokens, m.Abort)
 
     def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
-        session, reply = self._call(lambda rid: m.Acquire(rid, list(keys), list(sizes)), task)
-        if not isinstance(reply, m.Pinned) or len(reply.tokens) > len(keys):
+        keys, sizes = list(keys), list(sizes)
+        session, reply = self._call(lambda rid: m.Acquire(rid, keys, sizes), task)
+        if type(reply) is not m.Pinned or len(reply.tokens) > len(keys):
             raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
+        segment, gen = session.segment, session.gen << _GEN_SHIFT
+        slots = []
         try:
-            for i in range(len(reply.tokens)):
-                self._check_range(session, reply.offsets[i], reply.sizes[i], sizes[i])
+            for token, offset, size, want in zip(reply.tokens, reply.offsets, reply.sizes,
+                                                 sizes):
+                self._check_range(session, offset, size, want)
+                slots.append(Slot(_EXISTS, gen | token, segment, offset, size))
         except EmsException:
             session.post(m.Release(reply.tokens))
             raise
-        return [Slot(GrantStatus.EXISTS, _pack(session.gen, t), session.segment, off, size)
-                for t, off, size in zip(reply.tokens, reply.offsets, reply.sizes)]
+        return slots
 
     def release(self, tokens: Sequence[int]) -> None:
         self._post_tokens(tokens, m.Release)
