@@ -172,6 +172,10 @@ def test_bad_configuration_exits_2_with_a_clear_message(tmp_path):
     assert r.returncode == 2 and "nobody could connect" in r.stderr
     r = run(env={"EMS_RESERVATION_TTL_S": "soon"})
     assert r.returncode == 2 and "EMS_RESERVATION_TTL_S" in r.stderr
+    r = run(env={"EMS_SERVER_SPIN_US": "busy"})
+    assert r.returncode == 2 and "EMS_SERVER_SPIN_US" in r.stderr
+    r = run("--spin-us", "-1")
+    assert r.returncode == 2 and "spin_us" in r.stderr
     os.chmod(tenants, 0o600)
     r = run("--tenants-file", str(tenants), "--quota", "team-a=1G", "--capacity", "64M")
     assert r.returncode == 2 and "more than capacity" in r.stderr
@@ -181,12 +185,14 @@ def test_bad_configuration_exits_2_with_a_clear_message(tmp_path):
 def test_config_file_env_and_flags_in_that_order(tmp_path):
     conf = tmp_path / "ems.toml"
     conf.write_text('capacity = "16M"\nreservation_ttl_s = 5\nlog_level = "debug"\n'
-                    'anonymous_quota = "8M"\n')
-    env = dict(os.environ, EMS_SERVER_CONFIG=str(conf), EMS_RESERVATION_TTL_S="9")
+                    'anonymous_quota = "8M"\nspin_us = 50\n')
+    env = dict(os.environ, EMS_SERVER_CONFIG=str(conf), EMS_RESERVATION_TTL_S="9",
+               EMS_SERVER_SPIN_US="0")
     with run_server(str(tmp_path), capacity="32M", env=env) as server:
         report = server.stats()
         assert report["server"]["capacity_bytes"] == 32 << 20   # flag beats file
         assert report["server"]["reservation_ttl_s"] == 9.0     # env beats file
+        assert report["server"]["spin_us"] == 0                 # env beats file
         assert report["tenants"]["(anonymous)"]["capacity_bytes"] == 8 << 20  # file
         assert "DEBUG" in server.log()
 

@@ -5,6 +5,7 @@ reply takes longer than the spin."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from client_worker import Value, pattern
@@ -89,5 +90,26 @@ def test_a_reply_later_than_the_spin_still_arrives(server, client_env, monkeypat
         finally:
             timer.join()
         assert out.bytes() == value.bytes()
+    finally:
+        Ems.finalize()
+
+
+@pytest.mark.parametrize("spin_us", ["0", "1000"])
+def test_the_daemon_serves_with_and_without_busy_polling(make_server, client_env,
+                                                         monkeypatch, spin_us):
+    """``--spin-us``: the daemon answers the same either way, a request that comes
+    while it polls and one that wakes it from its sleep (after an idle pause)."""
+    server = make_server(capacity="64M", extra_args=["--spin-us", spin_us])
+    assert server.stats()["server"]["spin_us"] == int(spin_us)
+    cc = _init(client_env, server, monkeypatch)
+    try:
+        for i in range(20):
+            value = Value(4096, pattern(f"d{i}", 4096))
+            assert cc.save(OPT, [f"d{i}"], [value.wrappers()]).success == 1
+            if i % 5 == 0:
+                time.sleep(0.01)  # past the spin window: the daemon sleeps meanwhile
+            out = Value(4096)
+            assert cc.load(OPT, [f"d{i}"], [out.wrappers()]).success == 1
+            assert out.bytes() == value.bytes()
     finally:
         Ems.finalize()

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                         "env EMS_RESERVATION_TTL_S)")
     p.add_argument("--socket-mode", dest="socket_mode",
                    help="octal permissions of the socket file (default 0660)")
+    p.add_argument("--spin-us", dest="spin_us", type=int,
+                   help="busy-poll this long after a request before sleeping, in "
+                        "microseconds (default 200; 0: never; env EMS_SERVER_SPIN_US)")
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p
@@ -91,10 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mode = ("anonymous only" if names == [ANONYMOUS] else
             f"{len(tenants)} tenant(s){' + anonymous' if config.anonymous else ''}")
     logger.info("ems-server listening on %s: capacity %d MiB, tenants: %s, quotas: %s, "
-                "reservation TTL %.1f s, pid %d", config.socket_path,
+                "reservation TTL %.1f s, busy-poll %d us, pid %d", config.socket_path,
                 config.capacity_bytes >> 20, mode,
                 ", ".join(f"{s.name}={s.quota_bytes >> 20} MiB" for s in specs),
-                config.reservation_ttl_s, os.getpid())
+                config.reservation_ttl_s, config.spin_us, os.getpid())
     daemon.serve_forever()
     logger.info("ems-server stopped; removed %s", config.socket_path)
     return 0

@@ -196,10 +196,19 @@ class Daemon:
         previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: self.request_stop())
+        poll, spin_s = self._epoll.poll, self.config.spin_us / 1e6
         try:
             next_tick = time.monotonic() + self._tick_s
+            busy_until = 0.0  # busy-poll until then (``spin_us`` after the last event)
             while not self._stopping:
-                events = self._epoll.poll(max(0.0, next_tick - time.monotonic()))
+                events = poll(0) if spin_s else None
+                while not events and time.monotonic() < busy_until:
+                    os.sched_yield()  # anything else runnable on this CPU goes first
+                    events = poll(0)
+                if not events:
+                    events = poll(max(0.0, next_tick - time.monotonic()))
+                if spin_s and events:
+                    busy_until = time.monotonic() + spin_s
                 for fd, mask in events:
                     data = self._by_fd.get(fd)
                     if data is not None:
@@ -556,6 +565,7 @@ class Daemon:
                 "anonymous": self.registry.anonymous is not None,
                 "tenants": len(self.registry.named()),
                 "reservation_ttl_s": self.config.reservation_ttl_s,
+                "spin_us": self.config.spin_us,
             },
             "tenants": {},
         }
