@@ -93,7 +93,11 @@ class Request:
 
 # --------------------------------------------------------------------------- V0
 
-def _key_part(value: Any, field: str) -> str:
+def _key_part(value: Any, i: int, part: str = "") -> str:
+    """A valid key (part) of ``key_list[i]`` (the field is named only in an error)."""
+    if type(value) is str and 0 < len(value) < MAX_KEY_LEN:
+        return value
+    field = f"key_list[{i}]{part}"
     if not isinstance(value, str):
         raise invalid(f"{field} must be a str, got {type(value).__name__}")
     if not 0 < len(value) < MAX_KEY_LEN:
@@ -110,14 +114,14 @@ def v0_storage_keys(key_list: Any) -> list[str]:
     out = []
     for i, key in enumerate(key_list):
         if isinstance(key, PrimaryKey):
-            d = _key_part(key.distribute_key, f"key_list[{i}].distribute_key")
-            a = _key_part(key.attribute_key, f"key_list[{i}].attribute_key")
+            d = _key_part(key.distribute_key, i, ".distribute_key")
+            a = _key_part(key.attribute_key, i, ".attribute_key")
             out.append(f"v0:p:{len(d)}:{d}{a}")
         elif isinstance(key, str):
-            out.append(f"v0:s:{_key_part(key, f'key_list[{i}]')}")
+            out.append(f"v0:s:{_key_part(key, i)}")
         else:
             raise invalid(f"key_list[{i}] must be a str or PrimaryKey, got {type(key).__name__}")
-    if len(set(out)) != len(out):
+    if len(out) > 1 and len(set(out)) != len(out):
         seen: set[str] = set()
         for i, k in enumerate(out):
             if k in seen:
@@ -140,15 +144,20 @@ def validate_buffers(value_list: Any, n_keys: int) -> list[list[tuple[int, int]]
             raise invalid(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
         regions = []
         for j, buf in enumerate(buffers):
-            field = f"value_list[{i}][{j}]"
             if not isinstance(buf, KvBufferWrapper):
-                raise invalid(f"{field} must be a KvBufferWrapper, got {type(buf).__name__}")
-            ptr = buf.data_ptr() if callable(buf.data_ptr) else buf.data_ptr
+                raise invalid(f"value_list[{i}][{j}] must be a KvBufferWrapper, got "
+                              f"{type(buf).__name__}")
+            ptr = buf.data_ptr
+            if type(ptr) is not int:  # a callable (tensor.data_ptr), or a bad value
+                ptr = ptr() if callable(ptr) else ptr
             if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
-                raise invalid(f"{field}.data_ptr must be an int > 0, got {ptr!r}")
+                raise invalid(f"value_list[{i}][{j}].data_ptr must be an int > 0, got "
+                              f"{ptr!r}")
             length = buf.length
-            if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
-                raise invalid(f"{field}.length must be an int > 0, got {length!r}")
+            if (type(length) is not int and (isinstance(length, bool) or
+                                             not isinstance(length, int))) or length <= 0:
+                raise invalid(f"value_list[{i}][{j}].length must be an int > 0, got "
+                              f"{length!r}")
             regions.append((ptr, length))
         out.append(regions)
     return out

@@ -29,6 +29,10 @@ try:  # the native copy streams large runs past the cache (see src/ems/_native.c
 except ImportError:  # pragma: no cover
     _native_copy = None
 _host_copy = _native_copy if _native_copy is not None else _memmove
+#: Runs below this are copied by ``memmove``: its call costs less than the native
+#: helper's typed one (~1.2 vs ~1.9 us for 4 KiB), and streaming stores only pay off
+#: for large runs.
+_SMALL = 64 << 10
 
 
 class _CudaRuntime:
@@ -113,5 +117,7 @@ def copy_bytes(dst: int, src: int, n: int) -> None:
     cuda = _cuda if _cuda_probed else cuda_runtime()
     if cuda is not None and (cuda.is_device(dst) or cuda.is_device(src)):
         cuda.memcpy(dst, src, n)
+    elif n < _SMALL:
+        _memmove(dst, src, n)
     else:
         _host_copy(dst, src, n)
