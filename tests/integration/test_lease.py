@@ -214,3 +214,34 @@ def test_after_fork_the_child_uses_a_lease_of_its_own(cc, server):
     out = Value(4096)
     assert cc.load(CcKvOption(), ["child"], [out.wrappers()]).success == 1
     assert out.bytes() == pattern("child", 4096)
+
+
+def test_small_v0_saves_go_in_one_step(cc, server, monkeypatch):
+    """A small V0 save cuts its range, copies and puts in one transport call
+    (save_v0); only a save that finds the lease short (the first one of a connection
+    here) goes through reserve, which asks for a lease."""
+    transport = cc._transport
+    calls = {"reserve": 0, "save_v0": 0}
+    reserve, save_v0 = transport.reserve, transport.save_v0
+
+    def counting_reserve(*args):
+        calls["reserve"] += 1
+        return reserve(*args)
+
+    def counting_save_v0(*args):
+        calls["save_v0"] += 1
+        return save_v0(*args)
+    monkeypatch.setattr(transport, "reserve", counting_reserve)
+    monkeypatch.setattr(transport, "save_v0", counting_save_v0)
+    keys = [f"one-{i}" for i in range(5)]
+    for key in keys:
+        assert save(cc, [key], 4096).success == 1
+    assert calls == {"reserve": 1, "save_v0": 5}
+    big = LEASE  # more than a quarter of the lease: reserve + commit
+    assert save(cc, ["big"], big).success == 1
+    assert calls == {"reserve": 2, "save_v0": 6}
+    outs = [Value(4096) for _ in keys]
+    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 5
+    assert all(o.bytes() == pattern(k, 4096) for k, o in zip(keys, outs))
+    stats = cc.statistics()
+    assert stats.objects == 6 and stats.reserved == 0

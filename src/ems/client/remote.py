@@ -62,6 +62,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
+from ems.client import copy as _copy
 from ems.client.session import (
     _ALIGN,
     _GEN_SHIFT,
@@ -73,7 +74,7 @@ from ems.client.session import (
 )
 from ems.client.transport import GrantStatus, Slot, Transport
 from ems.errors import EmsErrorCode, EmsException
-from ems.futures import Task
+from ems.futures import Cancelled, Task
 from ems.pool.core import PoolStatistics
 from ems.protocol import messages as m
 
@@ -295,6 +296,40 @@ class RemoteTransport(Transport):
             raise _bad_reply(f"{type(reply).__name__} for a Commit of {len(tokens)} tokens")
         return list(reply.ok)
 
+    def save_v0(self, keys: Sequence[str], sizes: Sequence[int],
+                regions: Sequence[Sequence[tuple[int, int]]], task: Task
+                ) -> Optional[list[bool]]:
+        """A small V0 save in one call: ranges cut from the lease, the caller's buffers
+        copied into them, one Put (the steps of reserve + copy + commit, without their
+        per-key slots and tokens). None: not through the lease (the caller goes the
+        usual way, which also renews a lease that ran out)."""
+        session = self._session
+        if (session is None or session.broken is not None or session.segment is None
+                or sum(sizes) + _ALIGN * len(sizes) > session.small_save_bytes):
+            return None
+        if self._closed:
+            self._check_open()
+        cut = session.take_ranges(sizes, want=True)
+        if cut is None:
+            return None
+        offsets, want = cut
+        try:
+            base = session.segment.address
+            for offset, buffers in zip(offsets, regions):
+                addr = base + offset
+                for ptr, n in buffers:
+                    task.checkpoint()
+                    _copy.copy_bytes(addr, ptr, n)
+                    addr += n
+            if not task.decide():
+                raise Cancelled
+        except BaseException:
+            if want:
+                session.lease_asked = False
+            session.post(m.Return(list(offsets), list(sizes)))
+            raise
+        return self._put_ranges(session, list(keys), offsets, list(sizes), want, task)
+
     def _put(self, session: _Session, tokens: Sequence[int], task: Task) -> list[bool]:
         """Commit slots of the lease: one Put, one round trip."""
         local = session.local
@@ -311,6 +346,11 @@ class RemoteTransport(Transport):
             keys, offsets, sizes = [key], [offset], [size]
         else:
             keys, offsets, sizes = (list(column) for column in zip(*entries))
+        return self._put_ranges(session, keys, offsets, sizes, want, task)
+
+    def _put_ranges(self, session: _Session, keys: list[str], offsets: list[int],
+                    sizes: list[int], want: bool, task: Task) -> list[bool]:
+        """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
             _, reply = self._call(lambda rid: m.Put(rid, keys, offsets, sizes, want), task,
                                   session)
@@ -322,8 +362,8 @@ class RemoteTransport(Transport):
         finally:
             if want:
                 session.lease_asked = False
-        if not isinstance(reply, m.Stored) or len(reply.ok) != len(tokens):
-            raise _bad_reply(f"{type(reply).__name__} for a Put of {len(tokens)} keys")
+        if not isinstance(reply, m.Stored) or len(reply.ok) != len(keys):
+            raise _bad_reply(f"{type(reply).__name__} for a Put of {len(keys)} keys")
         if reply.lease_size:
             self._install(session, reply.lease_offset, reply.lease_size)
         return list(reply.ok)

@@ -381,20 +381,38 @@ class _Session:
     def take(self, keys: Sequence[str], sizes: Sequence[int]
              ) -> Optional[list[tuple[int, int]]]:
         """(local id, offset) of slots for ``keys`` cut from the lease, or None when it
-        is short."""
-        needs = [max(_ALIGN, -(-n // _ALIGN) * _ALIGN) for n in sizes]
+        is short. The slots wait in ``local`` for their Put or Return."""
         local, ids = self.local, []
         with self.lease_lock:
-            offset = self.lease_cursor
-            if offset + sum(needs) > self.lease_end:
+            offsets = self._cut_locked(sizes)
+            if offsets is None:
                 return None
-            for key, size, need in zip(keys, sizes, needs):
+            for key, size, offset in zip(keys, sizes, offsets):
                 lid = next(self._local_ids)
                 local[lid] = (key, offset, size)
                 ids.append((lid, offset))
-                offset += need
-            self.lease_cursor = offset
         return ids
+
+    def take_ranges(self, sizes: Sequence[int], want: bool) -> Optional[tuple[list[int], bool]]:
+        """Offsets of ranges for ``sizes`` cut from the lease (None when it is short),
+        owned by the caller until it puts or returns them; and, when ``want``, whether
+        its Put should ask for a fresh lease (see :meth:`want_lease_locked`)."""
+        with self.lease_lock:
+            offsets = self._cut_locked(sizes)
+            if offsets is None:
+                return None
+            return offsets, want and self.want_lease_locked()
+
+    def _cut_locked(self, sizes: Sequence[int]) -> Optional[list[int]]:
+        offset = self.lease_cursor
+        offsets = []
+        for n in sizes:
+            offsets.append(offset)
+            offset += max(_ALIGN, -(-n // _ALIGN) * _ALIGN)
+        if offset > self.lease_end:
+            return None
+        self.lease_cursor = offset
+        return offsets
 
     def want_lease_locked(self) -> bool:
         """Whether the next Put should ask for a fresh lease (less than half left);

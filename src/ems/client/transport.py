@@ -49,6 +49,14 @@ class Transport(abc.ABC):
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
         """One slot per key: NEW (copy, then commit), EXISTS/BUSY, FULL, TOO_LARGE."""
 
+    def save_v0(self, keys: Sequence[str], sizes: Sequence[int],
+                regions: Sequence[Sequence[tuple[int, int]]], task: Task
+                ) -> Optional[list[bool]]:
+        """Optionally, a whole V0 save in one step (copy ``regions[i]``, the caller's
+        ``(address, length)`` buffers, as key ``i``): per key, whether it is stored; None
+        when this transport does not take it (then: reserve, copy, commit)."""
+        return None
+
     @abc.abstractmethod
     def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
         """Make reserved keys visible; False for a reservation that was lost."""
