@@ -335,6 +335,12 @@ class ContextCaching:
 
     def _run_load(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
         t = self._transport
+        if type(req.mover) is V0Mover:
+            loaded = t.load_v0(req.keys, req.sizes, req.mover.regions, task)
+            if loaded is not None:
+                if not task.decide():
+                    raise Cancelled
+                return CcResult(loaded, len(req.keys))
         pins = t.acquire(req.keys, req.sizes, task)
         if pins:
             tokens = [p.token for p in pins]

@@ -393,21 +393,45 @@ class RemoteTransport(Transport):
         self._post_tokens(tokens, m.Abort)
 
     def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+        session, reply = self._pin(keys, sizes, task)
+        segment, gen = session.segment, session.gen << _GEN_SHIFT
+        return [Slot(_EXISTS, gen | token, segment, offset, size)
+                for token, offset, size in zip(reply.tokens, reply.offsets, reply.sizes)]
+
+    def load_v0(self, keys: Sequence[str], sizes: Sequence[int],
+                regions: Sequence[Sequence[tuple[int, int]]], task: Task) -> Optional[int]:
+        """A V0 load in one step: pin the leading hits, copy each into the caller's
+        buffers, unpin; how many leading keys were loaded."""
+        session, reply = self._pin(keys, sizes, task)
+        if not reply.tokens:
+            return 0
+        try:
+            base = session.segment.address  # type: ignore[union-attr]
+            for offset, buffers in zip(reply.offsets, regions):
+                addr = base + offset
+                for ptr, n in buffers:
+                    task.checkpoint()
+                    _copy.copy_bytes(ptr, addr, n)
+                    addr += n
+        finally:
+            session.post(m.Release(reply.tokens))
+        return len(reply.tokens)
+
+    def _pin(self, keys: Sequence[str], sizes: Sequence[int], task: Task
+             ) -> tuple[_Session, m.Pinned]:
+        """Acquire, and check that every pinned range is in the segment and of the
+        expected size (else unpin and raise)."""
         keys, sizes = list(keys), list(sizes)
         session, reply = self._call(lambda rid: m.Acquire(rid, keys, sizes), task)
         if type(reply) is not m.Pinned or len(reply.tokens) > len(keys):
             raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
-        segment, gen = session.segment, session.gen << _GEN_SHIFT
-        slots = []
         try:
-            for token, offset, size, want in zip(reply.tokens, reply.offsets, reply.sizes,
-                                                 sizes):
+            for offset, size, want in zip(reply.offsets, reply.sizes, sizes):
                 self._check_range(session, offset, size, want)
-                slots.append(Slot(_EXISTS, gen | token, segment, offset, size))
         except EmsException:
             session.post(m.Release(reply.tokens))
             raise
-        return slots
+        return session, reply  # type: ignore[return-value]
 
     def release(self, tokens: Sequence[int]) -> None:
         self._post_tokens(tokens, m.Release)

@@ -57,6 +57,13 @@ class Transport(abc.ABC):
         when this transport does not take it (then: reserve, copy, commit)."""
         return None
 
+    def load_v0(self, keys: Sequence[str], sizes: Sequence[int],
+                regions: Sequence[Sequence[tuple[int, int]]], task: Task) -> Optional[int]:
+        """Optionally, a whole V0 load in one step (pin the leading hits, copy hit ``i``
+        into ``regions[i]``, unpin): how many leading keys were loaded; None when this
+        transport does not take it (then: acquire, copy, release)."""
+        return None
+
     @abc.abstractmethod
     def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
         """Make reserved keys visible; False for a reservation that was lost."""
