@@ -218,3 +218,34 @@ def test_messages_are_frozen_dataclasses() -> None:
         assert params.frozen, cls
         hints = typing.get_type_hints(cls)
         assert "TYPE" in hints or hasattr(cls, "TYPE")
+
+
+# ---------------------------------------------------------------- bodies()
+
+def test_bodies_of_one_whole_frame_and_of_any_split():
+    frames = [encode(m.Ping(1)), encode(m.Put(2, ["k"], [64], [4096], True)),
+              encode(m.Pong(3))]
+    dec = FrameDecoder()
+    assert dec.bodies(frames[0]) == [[m.Ping.TYPE, 1]]  # the one-frame fast path
+    assert dec.buffered == 0
+    stream = b"".join(frames)
+    for cut in range(len(stream) + 1):
+        dec = FrameDecoder()
+        got = dec.bodies(stream[:cut]) + dec.bodies(stream[cut:])
+        assert [m.from_wire(b) for b in got] == [m.Ping(1), m.Put(2, ["k"], [64], [4096], True),
+                                                 m.Pong(3)]
+        assert dec.buffered == 0 and dec.failed is None
+
+
+def test_bodies_return_the_good_frames_before_a_corrupt_one():
+    bad = HEADER.pack(b"EM", PROTOCOL_VERSION, 0, 2) + b"\xc1\xc1"  # 0xc1: never used
+    dec = FrameDecoder()
+    assert dec.bodies(encode(m.Ping(1)) + bad) == [[m.Ping.TYPE, 1]]
+    assert dec.failed is not None
+    with pytest.raises(EmsException) as info:
+        dec.bodies(encode(m.Ping(2)))
+    assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
+    dec = FrameDecoder()  # a corrupt frame alone (the fast path) raises at once
+    with pytest.raises(EmsException):
+        dec.bodies(bad)
+    assert dec.failed is not None

@@ -27,7 +27,6 @@ from ems.client.segment import Segment
 from ems.client.transport import GrantStatus
 from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import FrameDecoder, auth_mac, encode
-from ems.protocol.framing import NOTHING as _NOTHING
 from ems.protocol import messages as m
 
 __all__ = ["LIVENESS_S"]
@@ -345,12 +344,10 @@ class _Session:
                     continue
                 if not data:
                     raise _io_error("ems-server closed the connection")
-                decoder.feed(data)
-                while True:
-                    body = decoder.next_body()
-                    if body is _NOTHING:
-                        break
+                for body in decoder.bodies(data):
                     self._deliver(m.from_wire(body))
+                if decoder.failed is not None:  # a corrupt frame after good ones
+                    raise decoder.failed
         except EmsException as exc:
             self.fail(exc)
         except OSError as exc:

@@ -124,6 +124,39 @@ class FrameDecoder:
             self._buf.clear()
             raise
 
+    def bodies(self, data: bytes) -> list[Any]:
+        """Feed ``data`` and return the decoded body (unchecked, as :meth:`next_body`)
+        of every frame now complete. The usual case, ``data`` being exactly one frame
+        with nothing buffered, is decoded from ``data`` itself. A corrupt frame after
+        good ones: the good ones are returned and :attr:`failed` is set (the next call
+        raises it)."""
+        if self._failed is None and not self._buf and len(data) >= 8:
+            magic, version, flags, length = _unpack_header(data)
+            if (len(data) == 8 + length and magic == MAGIC and version == PROTOCOL_VERSION
+                    and not flags and length <= self.max_frame_bytes):
+                try:
+                    return [self._body(data[8:])]
+                except EmsException as exc:
+                    self._failed = exc
+                    raise
+        self.feed(data)
+        out: list[Any] = []
+        while True:
+            try:
+                body = self.next_body()
+            except EmsException:
+                if out:
+                    return out
+                raise
+            if body is NOTHING:
+                return out
+            out.append(body)
+
+    @property
+    def failed(self) -> Optional[EmsException]:
+        """Why the stream is corrupt (None: it is not)."""
+        return self._failed
+
     def next_body(self) -> Any:
         """The next complete frame's decoded body, or :data:`NOTHING`; unchecked
         (``messages.wire_class`` and ``validate`` check it: the daemon's request path
@@ -151,15 +184,19 @@ class FrameDecoder:
         end = 8 + length
         if n < end:
             return NOTHING
-        try:  # (a bytes copy unpacks faster than a memoryview for small bodies)
-            obj = _unpackb(bytes(buf[8:end]), raw=False, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
-            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
+        obj = self._body(bytes(buf[8:end]))  # (bytes unpack faster than a memoryview)
         if n == end:  # the usual case: one whole frame
             buf.clear()
         else:
             del buf[:end]
         return obj
+
+    @staticmethod
+    def _body(raw: bytes) -> Any:
+        try:
+            return _unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
+            raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
 
     def _bad_header(self, magic: bytes, version: int, flags: int, length: int) -> None:
         if magic != MAGIC:

@@ -40,7 +40,6 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import Pool
 from ems.protocol import (
     MAX_FRAME_BYTES,
-    NOTHING,
     PROTOCOL_VERSION,
     FrameDecoder,
     encode,
@@ -319,13 +318,8 @@ class Daemon:
         if not data:
             self._close(conn, "closed by the client")
             return
-        decoder = conn.decoder
-        decoder.feed(data)
         try:
-            while True:
-                body = decoder.next_body()
-                if body is NOTHING:
-                    return
+            for body in conn.decoder.bodies(data):
                 cls = m.wire_class(body)
                 if conn.phase is _Phase.READY:
                     self._request(conn, cls, cls.validate(body[1:]))
@@ -333,6 +327,8 @@ class Daemon:
                     self._handle(conn, cls.check(body[1:]))
                 if conn.phase is _Phase.CLOSED:
                     return
+            if conn.decoder.failed is not None:  # a corrupt frame after good ones
+                raise conn.decoder.failed
         except EmsException as exc:
             self._fail(conn, exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the daemon
