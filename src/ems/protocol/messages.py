@@ -207,12 +207,11 @@ class Message:
         checks = cls._CHECKS
         if len(values) != len(checks):
             raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
-        i = 0
-        for check in checks:
-            if not check(values[i]):
+        for check, value in zip(checks, values):
+            if not check(value):
+                i = next(j for j, (c, v) in enumerate(zip(checks, values)) if not c(v))
                 raise _bad(f"{cls.__name__}.{cls._NAMES[i]} has the wrong type or range: "
-                           f"{_short(values[i])}")
-            i += 1
+                           f"{_short(value)}")
         for group in cls._PARALLEL_IDX:
             n = -1
             for i in group:
