@@ -93,6 +93,8 @@ _TOKEN_MASK = (1 << _GEN_SHIFT) - 1
 _LEASE_RETRY_S = 1.0
 _LOCAL_MASK = _LOCAL - 1
 _NEW, _EXISTS = GrantStatus.NEW, GrantStatus.EXISTS
+#: The hot requests go out in their wire form (``[TYPE, fields...]``), no object built.
+_PUT, _ACQUIRE = m.Put.TYPE, m.Acquire.TYPE
 
 
 def _pack(gen: int, token: int) -> int:
@@ -162,7 +164,7 @@ class RemoteTransport(Transport):
             raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
                                "the ems-server client was closed (Ems.finalize)")
 
-    def _call(self, msg_for: Callable[[int], m.Message], task: Optional[Task],
+    def _call(self, msg_for: Callable[[int], Any], task: Optional[Task],
               session: Optional[_Session] = None) -> tuple[_Session, m.Message]:
         """One request within the task's deadline (or the default bounds)."""
         if self._closed:
@@ -352,7 +354,7 @@ class RemoteTransport(Transport):
                     sizes: list[int], want: bool, task: Task) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
-            _, reply = self._call(lambda rid: m.Put(rid, keys, offsets, sizes, want), task,
+            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want], task,
                                   session)
         except EmsException:
             # As for a failed commit: if the Put did reach the daemon, this comes after
@@ -422,7 +424,7 @@ class RemoteTransport(Transport):
         """Acquire, and check that every pinned range is in the segment and of the
         expected size (else unpin and raise)."""
         keys, sizes = list(keys), list(sizes)
-        session, reply = self._call(lambda rid: m.Acquire(rid, keys, sizes), task)
+        session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task)
         if type(reply) is not m.Pinned or len(reply.tokens) > len(keys):
             raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
         try:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 from ems.client.segment import Segment
 from ems.client.transport import GrantStatus
 from ems.errors import EmsErrorCode, EmsException
-from ems.protocol import FrameDecoder, auth_mac, encode
+from ems.protocol import FrameDecoder, auth_mac, encode, encode_wire
 from ems.protocol import messages as m
 
 __all__ = ["LIVENESS_S"]
@@ -221,7 +221,7 @@ class _Session:
             decoder.feed(data)
 
     # ------------------------------------------------------------ requests
-    def request(self, msg_for: Callable[[int], m.Message], wait_s: float,
+    def request(self, msg_for: Callable[[int], Any], wait_s: float,
                 spin_s: float = 0.0) -> m.Message:
         """Send a request and wait up to ``wait_s`` for its reply (polling for it the
         first ``spin_s`` when this thread reads the socket itself).
@@ -237,7 +237,9 @@ class _Session:
             rid = next(self._rids)
             self._pending[rid] = waiter
         try:
-            data = encode(msg_for(rid))  # may raise (a batch too big for a frame)
+            msg = msg_for(rid)  # a message, or its wire form (hot requests: no object)
+            # (either may raise: a batch too big for a frame)
+            data = encode_wire(msg) if type(msg) is list else encode(msg)
         except BaseException:
             with self._lock:
                 self._pending.pop(rid, None)
