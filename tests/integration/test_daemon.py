@@ -12,7 +12,7 @@ import time
 
 import pytest
 from client_worker import Value, pattern
-from itest_support import anonymous_stats_when
+from itest_support import anonymous_stats_when, wait_for
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.testing import run_server
@@ -129,7 +129,9 @@ def test_auto_mode_picks_the_daemon_when_its_socket_exists(server, monkeypatch, 
 
 def test_start_line_sigterm_and_cleanup(make_server):
     server = make_server(capacity="32M", reservation_ttl_s=7)
-    line = [x for x in server.log().splitlines() if "listening on" in x]
+    # (the socket accepts from listen() on, a moment before the line is written)
+    line = wait_for(lambda: [x for x in server.log().splitlines() if "listening on" in x],
+                    5.0, "the start line")
     assert len(line) == 1
     assert server.socket_path in line[0] and "capacity 32 MiB" in line[0]
     assert "anonymous only" in line[0] and "TTL 7.0 s" in line[0]
