@@ -1,8 +1,9 @@
 """Byte copies between the caller's memory and pool memory.
 
 Host pointers are copied through ctypes (a foreign call that releases the GIL, so
-several requests copy in parallel) by the native helper ``ems._native`` (streaming
-stores for large runs), or by ``memmove`` where it was not built. Where the process has CUDA, a pointer
+several requests copy in parallel): runs from 64 KiB on by the native helper
+``ems._native`` (streaming stores), smaller ones (and all, where the helper was not
+built) by ``memmove``. Where the process has CUDA, a pointer
 is classified with ``cudaPointerGetAttributes`` and a device (or managed) pointer is
 copied with ``cudaMemcpy(..., cudaMemcpyDefault)``: it is never dereferenced on the
 host. Ascend NPU pointers need the CANN runtime, which this project cannot load or
