@@ -12,6 +12,9 @@ errors are the same either way: ``save(...)`` behaves as ``async_save(...).resul
 * load: ``acquire`` the leading hits (one batch; pins them) -> copy them into the
   caller's memory -> ``release`` (one batch). A key whose stored size differs from the
   request's is a miss and nothing is written for it; nothing after a miss is copied.
+* A transport may take a V0 save or load in one step instead (``save_v0`` /
+  ``load_v0``: the daemon's lease and pins, without per-key slot objects); the
+  outcome is the same.
 
 ``CcResult.success`` counts consecutive successes from the start of the batch.
 Many requests may be in flight; the object is safe to use from several threads.

@@ -12,7 +12,10 @@ for on the first small save, renewed with a ``Put`` reply before it runs out), a
 lock, "local" tokens); ``commit`` then sends one ``Put`` that the daemon answers once
 every key is committed (visible to every process) or found stored (EXISTS/BUSY, its
 range freed). A save whose bytes exceed a quarter of the lease goes the usual way
-(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do.
+(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do. A V0
+save takes it in one step (:meth:`RemoteTransport.save_v0`: cut ranges, copy, Put,
+without slots or tokens), and a V0 load (:meth:`RemoteTransport.load_v0`: pin, copy,
+unpin).
 
 Concurrency: one connection per process, shared by every worker thread. Requests
 carry ids; the thread that waits for a reply reads the socket itself when no other

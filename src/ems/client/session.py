@@ -8,6 +8,10 @@ is done it hands the socket to the oldest waiting thread. A watcher thread cover
 idle time: it notices a daemon that hung up, and reads and undoes replies that nobody
 waits for any more (pins released, reservations aborted). It alone closes the socket.
 The connection also holds this process's lease of pool space (small saves).
+
+A synchronous call's leader polls for its reply for ``spin_s`` (``EMS_SPIN_US``)
+before it sleeps in ``poll``: the reply is tens of microseconds away, and a sleeping
+thread pays a wake-up and cold caches (on a VM, its vCPU halts).
 """
 
 from __future__ import annotations

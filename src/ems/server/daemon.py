@@ -1,8 +1,12 @@
-"""The ems-server event loop: one thread, one selector, every pool owned by it.
+"""The ems-server event loop: one thread, one epoll, every pool owned by it.
 
 The daemon only moves control messages; the bytes go through each tenant's memfd,
 which clients map and copy into directly. The pool core is synchronous, so handling a
 request is a few dictionary operations done inline; no request ever waits for another.
+Requests are handled from their checked wire form (``[TYPE, fields...]``) by a table
+of handlers, and answered with wire lists: no message object per request. After a
+request the loop polls without sleeping for ``spin_us`` (yielding the CPU between
+polls), so a client that sends its next request soon does not wait for a wake-up.
 
 A connection goes through these phases::
 
