@@ -23,6 +23,7 @@ LRU eviction, as it does in service.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -174,12 +175,13 @@ class EmsSystem(System):
                                   "connect_timeout_ms": 10000}
         if socket_dir is not None:
             kwargs["socket_dir"] = socket_dir
-        settings = PoolSettings(**kwargs)
         cc0 = CcConfig(rank_id=0, device_id=0, model_id="bench-model")
         cc1 = CcConfig_v1(rank_id=0, device_id=0, model_id="bench-model",
                           llm_engine="bench@ems")
         config = EmsConfig(cc_config=cc0, cc_config_v1=cc1)
         try:
+            # The SDK's other settings (EMS_SPIN_US) from the environment, as in Ems.init.
+            settings = dataclasses.replace(PoolSettings.from_env(), **kwargs)
             self.transport = open_transport(settings, config)
         except Exception as exc:  # noqa: BLE001 - reported as the reason
             raise Unavailable(f"cannot reach the pool: {exc}") from None
