@@ -113,3 +113,21 @@ def test_the_daemon_serves_with_and_without_busy_polling(make_server, client_env
             assert out.bytes() == value.bytes()
     finally:
         Ems.finalize()
+
+
+def test_the_latency_ab_script_runs_both_variants(tmp_path):
+    """benchmarks/latency_ab.py (structure only, never speed): both variants measured,
+    each with its settings named."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                          "latency_ab.py")
+    r = subprocess.run([sys.executable, script, "--a", "--spin-us 0", "--b-env",
+                        "EMS_SPIN_US=0", "--rounds", "2", "--ops", "20"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["A load", "A save", "B load", "B save"]
+    assert "--spin-us 0" in lines[0] and "EMS_SPIN_US=0" in lines[2]
