@@ -9,9 +9,10 @@ py-spy flame graph, of the paths ``ems bench`` measures.
 Phases (summed over all calls, per call in microseconds): ``normalize`` (validation,
 in the caller), ``queue`` (submit -> a worker starts it), ``reserve``/``commit`` or
 ``acquire``/``release`` (the pool's control path: a lock in-process, a socket round
-trip to the daemon), ``copy`` (the mover), ``save_v0``/``load_v0`` (a small V0 call
-through the daemon in one step: lease or pin, copy, put or unpin), ``wake`` (the worker
-finished -> the caller returns). It wraps the SDK's methods at run time; it changes no SDK file.
+trip to the daemon), ``copy`` (the mover), ``save_one_step``/``load_one_step`` (a
+call through the daemon in one step: lease or pin, copy, put or unpin; its copy is
+also counted in ``copy``), ``wake`` (the worker finished -> the caller returns). It
+wraps the SDK's methods at run time; it changes no SDK file.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def instrument(system: EmsSystem) -> None:
     from ems.client import layout, movers
     cc, tr = system.cc, system.transport
     _wrap(cc, "_normalize", "normalize")
-    for name in ("reserve", "commit", "acquire", "release", "save_v0", "load_v0"):
+    for name in ("reserve", "commit", "acquire", "release", "save_one_step",
+                 "load_one_step"):
         _wrap(tr, name, name)
     for cls, names in ((movers.V0Mover, ("to_pool", "from_pool")),
                        (layout.V1Mover, ("to_pool", "from_pool"))):
@@ -103,8 +105,8 @@ def instrument(system: EmsSystem) -> None:
 
 def report(title: str, calls: int, wall: float) -> None:
     print(f"\n{title}: {calls} calls, {wall / calls * 1e6:.1f} us per call (wall)")
-    for phase in ("normalize", "queue", "save_v0", "load_v0", "reserve", "acquire", "copy",
-                  "commit", "release", "wake"):
+    for phase in ("normalize", "queue", "save_one_step", "load_one_step", "reserve",
+                  "acquire", "copy", "commit", "release", "wake"):
         if phase in _acc:
             total, n = _acc[phase]
             print(f"  {phase:10s} {total / calls * 1e6:9.1f} us/call  ({n} calls, "

@@ -284,20 +284,16 @@ class PoolSettings:
             kwargs["socket_dir"] = env["EMS_SOCKET_DIR"]
         if env.get("EMS_CAPACITY"):
             kwargs["capacity_bytes"] = parse_bytes(env["EMS_CAPACITY"], "EMS_CAPACITY")
-        for var, field in (("EMS_CONNECT_TIMEOUT_MS", "connect_timeout_ms"),
-                           ("EMS_WORKERS", "workers")):
+        for var, field, low, high in (("EMS_CONNECT_TIMEOUT_MS", "connect_timeout_ms", 1, None),
+                                      ("EMS_WORKERS", "workers", 1, None),
+                                      ("EMS_SPIN_US", "spin_us", 0, 1_000_000)):
             if env.get(var):
                 try:
                     kwargs[field] = int(env[var])
                 except ValueError:
                     raise invalid(f"{var} must be an int, got {env[var]!r}") from None
-                if kwargs[field] <= 0:
+                if high is None and kwargs[field] < low:
                     raise invalid(f"{var} must be > 0, got {env[var]!r}")
-        if env.get("EMS_SPIN_US"):
-            try:
-                kwargs["spin_us"] = int(env["EMS_SPIN_US"])
-            except ValueError:
-                raise invalid(f"EMS_SPIN_US must be an int, got {env['EMS_SPIN_US']!r}") from None
-            if not 0 <= kwargs["spin_us"] <= 1_000_000:
-                raise invalid(f"EMS_SPIN_US must be 0..1000000, got {env['EMS_SPIN_US']!r}")
+                if high is not None and not low <= kwargs[field] <= high:
+                    raise invalid(f"{var} must be {low}..{high}, got {env[var]!r}")
         return cls(**kwargs)

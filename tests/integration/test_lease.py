@@ -216,30 +216,30 @@ def test_after_fork_the_child_uses_a_lease_of_its_own(cc, server):
     assert out.bytes() == pattern("child", 4096)
 
 
-def test_small_v0_saves_go_in_one_step(cc, server, monkeypatch):
-    """A small V0 save cuts its range, copies and puts in one transport call
-    (save_v0); only a save that finds the lease short (the first one of a connection
-    here) goes through reserve, which asks for a lease."""
+def test_small_saves_go_in_one_step(cc, server, monkeypatch):
+    """A small save cuts its range, copies and puts in one transport call
+    (save_one_step); only a save that finds the lease short (the first one of a
+    connection here) goes through reserve, which asks for a lease."""
     transport = cc._transport
-    calls = {"reserve": 0, "save_v0": 0}
-    reserve, save_v0 = transport.reserve, transport.save_v0
+    calls = {"reserve": 0, "save_one_step": 0}
+    reserve, save_one_step = transport.reserve, transport.save_one_step
 
     def counting_reserve(*args):
         calls["reserve"] += 1
         return reserve(*args)
 
-    def counting_save_v0(*args):
-        calls["save_v0"] += 1
-        return save_v0(*args)
+    def counting_save_one_step(*args):
+        calls["save_one_step"] += 1
+        return save_one_step(*args)
     monkeypatch.setattr(transport, "reserve", counting_reserve)
-    monkeypatch.setattr(transport, "save_v0", counting_save_v0)
+    monkeypatch.setattr(transport, "save_one_step", counting_save_one_step)
     keys = [f"one-{i}" for i in range(5)]
     for key in keys:
         assert save(cc, [key], 4096).success == 1
-    assert calls == {"reserve": 1, "save_v0": 5}
+    assert calls == {"reserve": 1, "save_one_step": 5}
     big = LEASE  # more than a quarter of the lease: reserve + commit
     assert save(cc, ["big"], big).success == 1
-    assert calls == {"reserve": 2, "save_v0": 6}
+    assert calls == {"reserve": 2, "save_one_step": 6}
     outs = [Value(4096) for _ in keys]
     assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 5
     assert all(o.bytes() == pattern(k, 4096) for k, o in zip(keys, outs))

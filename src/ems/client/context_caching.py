@@ -12,8 +12,8 @@ errors are the same either way: ``save(...)`` behaves as ``async_save(...).resul
 * load: ``acquire`` the leading hits (one batch; pins them) -> copy them into the
   caller's memory -> ``release`` (one batch). A key whose stored size differs from the
   request's is a miss and nothing is written for it; nothing after a miss is copied.
-* A transport may take a V0 save or load in one step instead (``save_v0`` /
-  ``load_v0``: the daemon's lease and pins, without per-key slot objects); the
+* A transport may take a save or load in one step instead (``save_one_step`` /
+  ``load_one_step``: the daemon's lease and pins, without per-key slot objects); the
   outcome is the same.
 
 ``CcResult.success`` counts consecutive successes from the start of the batch.
@@ -42,7 +42,6 @@ __all__ = ["ContextCaching", "ContextCache_v1"]
 logger = logging.getLogger(__name__)
 
 _V1_WORDS = ("slot_mapping", "hashes", "offsets", "chunk_descs")
-_NEW = GrantStatus.NEW
 
 
 class ContextCaching:
@@ -193,16 +192,12 @@ class ContextCaching:
         return self._normalize_v0(op, args, kwargs)
 
     def _normalize_v0(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
-        if len(args) == 3 and not kwargs:  # the usual call: all three by position
-            option, key_list, value_list = args
-        else:
-            bound = self._bind(op, ("option", "key_list", "value_list"), args, kwargs)
-            option, key_list, value_list = (bound.get("option"), bound.get("key_list"),
-                                            bound.get("value_list"))
-        option = validate_option(option, required=True)
-        storage_keys = _keys.v0_storage_keys(key_list)
-        regions = _keys.validate_buffers(value_list, len(storage_keys))
-        sizes = [r[0][1] if len(r) == 1 else sum(n for _, n in r) for r in regions]
+        names = ("option", "key_list", "value_list")
+        bound = self._bind(op, names, args, kwargs)
+        option = validate_option(bound.get("option"), required=True)
+        storage_keys = _keys.v0_storage_keys(bound.get("key_list"))
+        regions = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
+        sizes = [sum(n for _, n in r) for r in regions]
         return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
@@ -300,35 +295,25 @@ class ContextCaching:
 
     def _run_save(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
         t = self._transport
-        if type(req.mover) is V0Mover:  # a small one may go in one step (the lease)
-            stored = t.save_v0(req.keys, req.sizes, req.mover.regions, task)
-            if stored is not None:
-                success = 0
-                while success < len(stored) and stored[success]:
-                    success += 1
-                return CcResult(success, len(req.keys))
+        stored = t.save_one_step(req.keys, req.sizes, req.mover, task)
+        if stored is not None:  # a small one went in one step (the daemon's lease)
+            success = 0
+            while success < len(stored) and stored[success]:
+                success += 1
+            return CcResult(success, len(req.keys))
         slots = t.reserve(req.keys, req.sizes, task)
-        new: list[int] = []
-        tokens: list[int] = []
-        locs: list[tuple[Any, int]] = []
-        for i, s in enumerate(slots):  # (one loop: three comprehensions cost 3 frames)
-            if s.status is _NEW:
-                new.append(i)
-                tokens.append(s.token)
-                locs.append((s.segment, s.offset))
+        new = [i for i, s in enumerate(slots) if s.status is GrantStatus.NEW]
+        tokens = [slots[i].token for i in new]
         try:
             if new:
-                req.mover.to_pool(new, locs, task)
+                req.mover.to_pool(new, [(slots[i].segment, slots[i].offset) for i in new], task)
             if not task.decide():
                 raise Cancelled
         except BaseException:
             if tokens:
                 cleanup.append(lambda: t.abort(tokens))
             raise
-        ok = t.commit(tokens, task) if tokens else []
-        if len(new) == len(slots) and all(ok):  # every key new, every commit done
-            return CcResult(len(slots), len(slots))
-        committed = dict(zip(new, ok))
+        committed = dict(zip(new, t.commit(tokens, task))) if tokens else {}
         success = 0
         for i, s in enumerate(slots):
             if not (s.stored or committed.get(i, False)):
@@ -338,12 +323,11 @@ class ContextCaching:
 
     def _run_load(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
         t = self._transport
-        if type(req.mover) is V0Mover:
-            loaded = t.load_v0(req.keys, req.sizes, req.mover.regions, task)
-            if loaded is not None:
-                if not task.decide():
-                    raise Cancelled
-                return CcResult(loaded, len(req.keys))
+        loaded = t.load_one_step(req.keys, req.sizes, req.mover, task)
+        if loaded is not None:
+            if not task.decide():
+                raise Cancelled
+            return CcResult(loaded, len(req.keys))
         pins = t.acquire(req.keys, req.sizes, task)
         if pins:
             tokens = [p.token for p in pins]

@@ -12,10 +12,10 @@ for on the first small save, renewed with a ``Put`` reply before it runs out), a
 lock, "local" tokens); ``commit`` then sends one ``Put`` that the daemon answers once
 every key is committed (visible to every process) or found stored (EXISTS/BUSY, its
 range freed). A save whose bytes exceed a quarter of the lease goes the usual way
-(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do. A V0
-save takes it in one step (:meth:`RemoteTransport.save_v0`: cut ranges, copy, Put,
-without slots or tokens), and a V0 load (:meth:`RemoteTransport.load_v0`: pin, copy,
-unpin).
+(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do. A
+small save takes it in one step (:meth:`RemoteTransport.save_one_step`: cut ranges,
+copy, Put, without slots or tokens), and a load another
+(:meth:`RemoteTransport.load_one_step`: pin, copy, unpin).
 
 Concurrency: one connection per process, shared by every worker thread. Requests
 carry ids; the thread that waits for a reply reads the socket itself when no other
@@ -65,7 +65,6 @@ import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
-from ems.client import copy as _copy
 from ems.client.session import (
     _ALIGN,
     _GEN_SHIFT,
@@ -245,7 +244,7 @@ class RemoteTransport(Transport):
         """Slots of the lease for a small save (None: go the usual way)."""
         segment = session.segment
         assert segment is not None
-        if not keys or sum(sizes) + _ALIGN * len(sizes) > session.small_save_bytes:
+        if not keys or not session.fits_lease(sizes):
             return None
         if self._closed:
             self._check_open()
@@ -267,9 +266,6 @@ class RemoteTransport(Transport):
             if ids is None:  # other threads used it up first
                 return None
         base = _pack(session.gen, _LOCAL)
-        if len(ids) == 1:
-            (lid, offset), = ids
-            return [Slot(_NEW, base | lid, segment, offset, sizes[0])]
         return [Slot(_NEW, base | lid, segment, offset, size)
                 for (lid, offset), size in zip(ids, sizes)]
 
@@ -301,16 +297,15 @@ class RemoteTransport(Transport):
             raise _bad_reply(f"{type(reply).__name__} for a Commit of {len(tokens)} tokens")
         return list(reply.ok)
 
-    def save_v0(self, keys: Sequence[str], sizes: Sequence[int],
-                regions: Sequence[Sequence[tuple[int, int]]], task: Task
-                ) -> Optional[list[bool]]:
-        """A small V0 save in one call: ranges cut from the lease, the caller's buffers
-        copied into them, one Put (the steps of reserve + copy + commit, without their
-        per-key slots and tokens). None: not through the lease (the caller goes the
-        usual way, which also renews a lease that ran out)."""
+    def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
+                      task: Task) -> Optional[list[bool]]:
+        """A small save in one call: ranges cut from the lease, ``mover`` copies into
+        them, one Put (the steps of reserve + copy + commit, without their per-key
+        slots and tokens). None: not through the lease (the caller goes the usual way,
+        which also renews a lease that ran out)."""
         session = self._session
         if (session is None or session.broken is not None or session.segment is None
-                or sum(sizes) + _ALIGN * len(sizes) > session.small_save_bytes):
+                or not session.fits_lease(sizes)):
             return None
         if self._closed:
             self._check_open()
@@ -318,14 +313,10 @@ class RemoteTransport(Transport):
         if cut is None:
             return None
         offsets, want = cut
+        segment = session.segment
         try:
-            base = session.segment.address
-            for offset, buffers in zip(offsets, regions):
-                addr = base + offset
-                for ptr, n in buffers:
-                    task.checkpoint()
-                    _copy.copy_bytes(addr, ptr, n)
-                    addr += n
+            mover.to_pool(range(len(offsets)), [(segment, offset) for offset in offsets],
+                          task)
             if not task.decide():
                 raise Cancelled
         except BaseException:
@@ -346,11 +337,7 @@ class RemoteTransport(Transport):
                 session.lease_asked = False
             self._give_back(session, [e for e in entries if e is not None])
             raise _io_error("slots of this save were given back already")
-        if len(entries) == 1:
-            key, offset, size = entries[0]  # type: ignore[misc]
-            keys, offsets, sizes = [key], [offset], [size]
-        else:
-            keys, offsets, sizes = (list(column) for column in zip(*entries))
+        keys, offsets, sizes = (list(column) for column in zip(*entries))
         return self._put_ranges(session, keys, offsets, sizes, want, task)
 
     def _put_ranges(self, session: _Session, keys: list[str], offsets: list[int],
@@ -403,21 +390,17 @@ class RemoteTransport(Transport):
         return [Slot(_EXISTS, gen | token, segment, offset, size)
                 for token, offset, size in zip(reply.tokens, reply.offsets, reply.sizes)]
 
-    def load_v0(self, keys: Sequence[str], sizes: Sequence[int],
-                regions: Sequence[Sequence[tuple[int, int]]], task: Task) -> Optional[int]:
-        """A V0 load in one step: pin the leading hits, copy each into the caller's
-        buffers, unpin; how many leading keys were loaded."""
+    def load_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
+                      task: Task) -> Optional[int]:
+        """A load in one call: pin the leading hits, ``mover`` copies them out, unpin;
+        how many leading keys were loaded."""
         session, reply = self._pin(keys, sizes, task)
         if not reply.tokens:
             return 0
+        segment = session.segment
         try:
-            base = session.segment.address  # type: ignore[union-attr]
-            for offset, buffers in zip(reply.offsets, regions):
-                addr = base + offset
-                for ptr, n in buffers:
-                    task.checkpoint()
-                    _copy.copy_bytes(ptr, addr, n)
-                    addr += n
+            mover.from_pool(range(len(reply.tokens)),
+                            [(segment, offset) for offset in reply.offsets], task)
         finally:
             session.post(m.Release(reply.tokens))
         return len(reply.tokens)

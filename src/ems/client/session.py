@@ -125,7 +125,7 @@ class _Session:
         self.lease_refused_until = 0.0
         self.local: dict[int, tuple[str, int, int]] = {}
         #: a save of at most this many bytes goes through the lease
-        self.small_save_bytes = m.lease_bytes(segment.size) // 4 if segment is not None else 0
+        self._small_save_bytes = m.lease_bytes(segment.size) // 4 if segment else 0
         self._local_ids = itertools.count(1)
         sock.settimeout(LIVENESS_S)  # bounds sendall to a daemon that stopped reading
         self._read_poll = select.poll()  # the leader's
@@ -395,6 +395,11 @@ class _Session:
                 local[lid] = (key, offset, size)
                 ids.append((lid, offset))
         return ids
+
+    def fits_lease(self, sizes: Sequence[int]) -> bool:
+        """Whether a save of ``sizes`` is small enough to go through the lease (at most
+        a quarter of it, counting each value's alignment)."""
+        return sum(sizes) + _ALIGN * len(sizes) <= self._small_save_bytes
 
     def take_ranges(self, sizes: Sequence[int], want: bool) -> Optional[tuple[list[int], bool]]:
         """Offsets of ranges for ``sizes`` cut from the lease (None when it is short),

@@ -49,18 +49,17 @@ class Transport(abc.ABC):
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
         """One slot per key: NEW (copy, then commit), EXISTS/BUSY, FULL, TOO_LARGE."""
 
-    def save_v0(self, keys: Sequence[str], sizes: Sequence[int],
-                regions: Sequence[Sequence[tuple[int, int]]], task: Task
-                ) -> Optional[list[bool]]:
-        """Optionally, a whole V0 save in one step (copy ``regions[i]``, the caller's
-        ``(address, length)`` buffers, as key ``i``): per key, whether it is stored; None
-        when this transport does not take it (then: reserve, copy, commit)."""
+    def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
+                      task: Task) -> Optional[list[bool]]:
+        """Optionally, a whole save in one step (``mover.to_pool`` copies item ``i`` as
+        key ``i``): per key, whether it is stored; None when this transport does not
+        take it (then: reserve, copy, commit)."""
         return None
 
-    def load_v0(self, keys: Sequence[str], sizes: Sequence[int],
-                regions: Sequence[Sequence[tuple[int, int]]], task: Task) -> Optional[int]:
-        """Optionally, a whole V0 load in one step (pin the leading hits, copy hit ``i``
-        into ``regions[i]``, unpin): how many leading keys were loaded; None when this
+    def load_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
+                      task: Task) -> Optional[int]:
+        """Optionally, a whole load in one step (pin the leading hits, ``mover.from_pool``
+        copies them out, unpin): how many leading keys were loaded; None when this
         transport does not take it (then: acquire, copy, release)."""
         return None
 

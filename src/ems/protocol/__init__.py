@@ -9,7 +9,6 @@ from ems.protocol import messages
 from ems.protocol.framing import (
     HEADER,
     MAX_FRAME_BYTES,
-    NOTHING,
     PROTOCOL_VERSION,
     FrameDecoder,
     encode,
@@ -21,7 +20,6 @@ from ems.protocol.messages import auth_mac
 __all__ = [
     "HEADER",
     "MAX_FRAME_BYTES",
-    "NOTHING",
     "PROTOCOL_VERSION",
     "FrameDecoder",
     "auth_mac",

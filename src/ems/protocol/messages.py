@@ -213,17 +213,9 @@ class Message:
                 raise _bad(f"{cls.__name__}.{cls._NAMES[i]} has the wrong type or range: "
                            f"{_short(value)}")
         for group in cls._PARALLEL_IDX:
-            n = -1
-            for i in group:
-                v = values[i]
-                if v is not None and n != len(v):
-                    if n >= 0:
-                        break
-                    n = len(v)
-            else:
-                continue
-            raise _bad(f"{cls.__name__}: {', '.join(cls._NAMES[i] for i in group)} "
-                       f"must have equal lengths")
+            if len({len(values[i]) for i in group if values[i] is not None}) > 1:
+                raise _bad(f"{cls.__name__}: {', '.join(cls._NAMES[i] for i in group)} "
+                           f"must have equal lengths")
         return values
 
 
@@ -254,8 +246,7 @@ def _message(code: int) -> Callable[[type], type]:
 
 def from_wire(obj: Any) -> Message:
     """Check and build the message of a decoded msgpack body."""
-    cls = wire_class(obj)
-    return cls(*cls.validate(obj[1:]))
+    return wire_class(obj).check(obj[1:])
 
 
 def wire_class(obj: Any) -> type[Message]:
