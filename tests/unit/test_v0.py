@@ -276,3 +276,13 @@ def test_calls_after_finalize_are_not_initialized(cc, option):
         with pytest.raises(EmsException) as info:
             getattr(cc, op)(option, ["k"], [[bw()]])
         assert info.value.status_code() is EmsErrorCode.EMS_NOT_INITIALIZED
+
+
+def test_an_option_with_v1_words_is_read_as_a_v1_call(cc, option):
+    """A V1 word among the arguments makes the call V1 even when an option comes
+    first (the V0 shortcut for ``save(option, keys, values)`` must not catch it)."""
+    with pytest.raises(EmsException) as info:
+        cc.save(option, slot_mapping=[0])
+    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert "'slot_mapping' both by position and by name" in info.value.message()
+    assert cc.statistics().objects == 0

@@ -181,7 +181,7 @@ class ContextCaching:
     def _normalize(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
         if self._closed:
             self._check_open()
-        if args and type(args[0]) is CcKvOption:  # V0 (its option comes first)
+        if not kwargs and args and type(args[0]) is CcKvOption:  # V0: the option first
             return self._normalize_v0(op, args, kwargs)
         # V1's first positional argument is slot_mapping (a list, or a tensor/array);
         # V0's is the option, so anything else there (None, a dict...) is a bad V0
