@@ -95,13 +95,11 @@ class Request:
 
 def _key_part(value: Any, i: int, part: str = "") -> str:
     """A valid key (part) of ``key_list[i]`` (the field is named only in an error)."""
-    if type(value) is str and 0 < len(value) < MAX_KEY_LEN:
-        return value
-    field = f"key_list[{i}]{part}"
     if not isinstance(value, str):
-        raise invalid(f"{field} must be a str, got {type(value).__name__}")
+        raise invalid(f"key_list[{i}]{part} must be a str, got {type(value).__name__}")
     if not 0 < len(value) < MAX_KEY_LEN:
-        raise invalid(f"{field} length must be 1..{MAX_KEY_LEN - 1}, got {len(value)}")
+        raise invalid(f"key_list[{i}]{part} length must be 1..{MAX_KEY_LEN - 1}, got "
+                      f"{len(value)}")
     return value
 
 
@@ -154,8 +152,7 @@ def validate_buffers(value_list: Any, n_keys: int) -> list[list[tuple[int, int]]
                 raise invalid(f"value_list[{i}][{j}].data_ptr must be an int > 0, got "
                               f"{ptr!r}")
             length = buf.length
-            if (type(length) is not int and (isinstance(length, bool) or
-                                             not isinstance(length, int))) or length <= 0:
+            if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
                 raise invalid(f"value_list[{i}][{j}].length must be an int > 0, got "
                               f"{length!r}")
             regions.append((ptr, length))
