@@ -226,7 +226,7 @@ def test_bodies_of_one_whole_frame_and_of_any_split():
     frames = [encode(m.Ping(1)), encode(m.Put(2, ["k"], [64], [4096], True)),
               encode(m.Pong(3))]
     dec = FrameDecoder()
-    assert dec.bodies(frames[0]) == [[m.Ping.TYPE, 1]]  # the one-frame fast path
+    assert dec.bodies(frames[0]) == [[m.Ping.TYPE, 1]]
     assert dec.buffered == 0
     stream = b"".join(frames)
     for cut in range(len(stream) + 1):
@@ -245,7 +245,7 @@ def test_bodies_return_the_good_frames_before_a_corrupt_one():
     with pytest.raises(EmsException) as info:
         dec.bodies(encode(m.Ping(2)))
     assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
-    dec = FrameDecoder()  # a corrupt frame alone (the fast path) raises at once
+    dec = FrameDecoder()  # a corrupt frame alone raises at once
     with pytest.raises(EmsException):
         dec.bodies(bad)
     assert dec.failed is not None

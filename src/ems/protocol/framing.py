@@ -126,19 +126,8 @@ class FrameDecoder:
 
     def bodies(self, data: bytes) -> list[Any]:
         """Feed ``data`` and return the decoded body (unchecked, as :meth:`next_body`)
-        of every frame now complete. The usual case, ``data`` being exactly one frame
-        with nothing buffered, is decoded from ``data`` itself. A corrupt frame after
-        good ones: the good ones are returned and :attr:`failed` is set (the next call
-        raises it)."""
-        if self._failed is None and not self._buf and len(data) >= 8:
-            magic, version, flags, length = _unpack_header(data)
-            if (len(data) == 8 + length and magic == MAGIC and version == PROTOCOL_VERSION
-                    and not flags and length <= self.max_frame_bytes):
-                try:
-                    return [self._body(data[8:])]
-                except EmsException as exc:
-                    self._failed = exc
-                    raise
+        of every frame now complete, in one call. A corrupt frame after good ones: the
+        good ones are returned and :attr:`failed` is set (the next call raises it)."""
         self.feed(data)
         out: list[Any] = []
         while True:
