@@ -129,18 +129,20 @@ def v0_storage_keys(key_list: Any) -> list[str]:
     return out
 
 
-def validate_buffers(value_list: Any, n_keys: int) -> list[list[tuple[int, int]]]:
-    """Validate ``value_list`` and return, per key, its ``(address, length)`` list."""
+def validate_buffers(value_list: Any, n_keys: int
+                     ) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """Validate ``value_list``; return, per key, its ``(address, length)`` list and its
+    total length."""
     if not isinstance(value_list, (list, tuple)):
         raise invalid(f"value_list must be a list, got {type(value_list).__name__}")
     if len(value_list) != n_keys:
         raise invalid(f"value_list must have one entry per key: len(value_list)="
                       f"{len(value_list)} != len(key_list)={n_keys}")
-    out = []
+    out, sizes = [], []
     for i, buffers in enumerate(value_list):
         if not isinstance(buffers, (list, tuple)) or not buffers:
             raise invalid(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
-        regions = []
+        regions, total = [], 0
         for j, buf in enumerate(buffers):
             if not isinstance(buf, KvBufferWrapper):
                 raise invalid(f"value_list[{i}][{j}] must be a KvBufferWrapper, got "
@@ -156,8 +158,10 @@ def validate_buffers(value_list: Any, n_keys: int) -> list[list[tuple[int, int]]
                 raise invalid(f"value_list[{i}][{j}].length must be an int > 0, got "
                               f"{length!r}")
             regions.append((ptr, length))
+            total += length
         out.append(regions)
-    return out
+        sizes.append(total)
+    return out, sizes
 
 
 # --------------------------------------------------------------------------- V1

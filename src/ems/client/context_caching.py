@@ -196,8 +196,7 @@ class ContextCaching:
         bound = self._bind(op, names, args, kwargs)
         option = validate_option(bound.get("option"), required=True)
         storage_keys = _keys.v0_storage_keys(bound.get("key_list"))
-        regions = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
-        sizes = [sum(n for _, n in r) for r in regions]
+        regions, sizes = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
         return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
