@@ -129,7 +129,8 @@ class ContextCaching:
             else:
                 sizes = layout.slot_sizes(_keys.validate_offsets(kwargs["offsets"], len(hs)))
         try:
-            n = self._transport.exists([prefix + str(h) for h in hs], sizes)
+            n = self._transport.exists([prefix + str(h) for h in hs], sizes,
+                                       read_local_only=bool(option and option.read_local_only))
         except EmsException as exc:
             logger.warning("ems: exists failed, answering 0: %s", exc)
             n = 0
@@ -239,6 +240,7 @@ class ContextCaching:
     def _run_here(self, req: _keys.Request) -> CcResult:
         task = Task(req.option.timeout, req.op, len(req.keys))
         task.inline = True
+        task.option = req.option  # type: ignore[attr-defined]  # the transport reads it
         with self._lock:
             if self._closed:
                 raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
@@ -255,6 +257,7 @@ class ContextCaching:
 
     def _submit(self, req: _keys.Request) -> CcFuture:
         task = Task(req.option.timeout, req.op, len(req.keys))
+        task.option = req.option  # type: ignore[attr-defined]  # the transport reads it
         if os.getpid() != self._pid:  # forked: the parent's worker threads are not here
             with self._lock:
                 if os.getpid() != self._pid:

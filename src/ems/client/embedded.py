@@ -78,7 +78,8 @@ class EmbeddedTransport(Transport):
             if not self._closed:
                 self.pool.release(tokens)
 
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               read_local_only: bool = False) -> int:
         with self._lock:
             self._check()
             return self.pool.exists([self._key(k) for k in keys], sizes)

@@ -103,6 +103,25 @@ def _pack(gen: int, token: int) -> int:
     return (gen << _GEN_SHIFT) | token
 
 
+# The request's options travel with it (a cluster daemon acts on them; ContextCaching
+# puts the CcKvOption on the Task as ``option``).
+def _write_rcache(task: Optional[Task]) -> bool:
+    option = getattr(task, "option", None)
+    return True if option is None else bool(option.write_rcache)
+
+
+def _read_local_only(task: Optional[Task]) -> bool:
+    option = getattr(task, "option", None)
+    return False if option is None else bool(option.read_local_only)
+
+
+def _budget_ms(task: Optional[Task]) -> int:
+    """What is left of the task's deadline, ms (0: no deadline)."""
+    if task is None or task.deadline is None:
+        return 0
+    return max(1, int((task.deadline - time.monotonic()) * 1000))
+
+
 # ---------------------------------------------------------------------- transport
 
 class RemoteTransport(Transport):
@@ -211,7 +230,8 @@ class RemoteTransport(Transport):
             if slots is not None:
                 return slots
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
-        session, reply = self._call(lambda rid: m.Reserve(rid, list(keys), list(sizes)), task)
+        session, reply = self._call(
+            lambda rid: m.Reserve(rid, list(keys), list(sizes), _write_rcache(task)), task)
         if not isinstance(reply, m.Granted) or len(reply.statuses) != len(keys):
             raise _bad_reply(f"{type(reply).__name__} for a Reserve of {len(keys)} keys")
         slots = []
@@ -287,7 +307,8 @@ class RemoteTransport(Transport):
             return [ok[t] for t in tokens]
         raw = [t & _TOKEN_MASK for t in tokens]
         try:
-            _, reply = self._call(lambda rid: m.Commit(rid, raw), task, session)
+            _, reply = self._call(lambda rid: m.Commit(rid, raw, _budget_ms(task)), task,
+                                  session)
         except EmsException:
             # Nobody aborts after a failed commit: do it here. If the commit did reach
             # the daemon, this comes after it on the same connection and is a no-op.
@@ -344,8 +365,9 @@ class RemoteTransport(Transport):
                     sizes: list[int], want: bool, task: Task) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
-            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want], task,
-                                  session)
+            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want,
+                                               _write_rcache(task), _budget_ms(task)],
+                                  task, session)
         except EmsException:
             # As for a failed commit: if the Put did reach the daemon, this comes after
             # it and finds the ranges carved already (and is ignored).
@@ -410,7 +432,9 @@ class RemoteTransport(Transport):
         """Acquire, and check that every pinned range is in the segment and of the
         expected size (else unpin and raise)."""
         keys, sizes = list(keys), list(sizes)
-        session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task)
+        local_only = _read_local_only(task)
+        session, reply = self._call(
+            lambda rid: [_ACQUIRE, rid, keys, sizes, local_only, _budget_ms(task)], task)
         if type(reply) is not m.Pinned or len(reply.tokens) > len(keys):
             raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
         try:
@@ -424,9 +448,12 @@ class RemoteTransport(Transport):
     def release(self, tokens: Sequence[int]) -> None:
         self._post_tokens(tokens, m.Release)
 
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               read_local_only: bool = False) -> int:
         want = None if sizes is None else list(sizes)
-        _, reply = self._call(lambda rid: m.Exists(rid, list(keys), want), None)
+        budget = int(CONTROL_TIMEOUT_S * 1000 * 0.8)
+        _, reply = self._call(lambda rid: m.Exists(rid, list(keys), want, read_local_only,
+                                                   budget), None)
         if not isinstance(reply, m.Count) or reply.n > len(keys):
             raise _bad_reply(f"{type(reply).__name__} for an Exists of {len(keys)} keys")
         return reply.n

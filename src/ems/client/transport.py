@@ -80,8 +80,10 @@ class Transport(abc.ABC):
         """Unpin (best effort: never raises)."""
 
     @abc.abstractmethod
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
-        """How many leading keys are stored (with these sizes, where given)."""
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               read_local_only: bool = False) -> int:
+        """How many leading keys are stored (with these sizes, where given);
+        ``read_local_only``: not asking other hosts (a cluster daemon)."""
 
     @abc.abstractmethod
     def health(self) -> bool:

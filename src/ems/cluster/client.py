@@ -48,7 +48,8 @@ _MAX_NODES = 256
 
 class Op:
     """One key of a batch: ``kind`` "get" (into ``target``), "set" (``parts``: header
-    and payload buffers), "len" (STRLEN equals ``size`` + header). ``ok`` is the outcome."""
+    and payload buffers), "len" (STRLEN equals ``size`` + header), "exists". ``ok`` is
+    the outcome."""
 
     __slots__ = ("kind", "key", "slot", "target", "parts", "size", "ok", "moved", "ask")
 
@@ -147,6 +148,8 @@ class ClusterClient:
                     parts.append(command("GET", op.key))
                 elif op.kind == "len":
                     parts.append(command("STRLEN", op.key))
+                elif op.kind == "exists":
+                    parts.append(command("EXISTS", op.key))
                 else:
                     parts.extend(set_parts(op.key, op.parts))
             sent = send_parts(sock, parts) if self._ssl is None else _send_tls(sock, parts)
@@ -201,6 +204,8 @@ class ClusterClient:
             self._error(op, reply)
         elif op.kind == "len":
             op.ok = reply == value.HEADER + op.size
+        elif op.kind == "exists":
+            op.ok = reply == 1
         else:
             op.ok = reply == "OK"
         return 0

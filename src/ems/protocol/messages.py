@@ -15,19 +15,29 @@ A connection goes through two phases::
                                      <-      Welcome(...) + memfd   (SCM_RIGHTS)
                                              or Error(EMS_AUTH_FAILED) and close
     ---------------------------- ready ----------------------------------------
-    Reserve(rid, keys, sizes)        ->      Granted(rid, statuses, tokens, offsets, sizes)
-    Commit(rid, tokens)              ->      Committed(rid, ok)
+    Reserve(rid, keys, sizes,        ->      Granted(rid, statuses, tokens, offsets, sizes)
+            write_rcache)
+    Commit(rid, tokens, budget_ms)   ->      Committed(rid, ok)
     Abort(tokens)                    ->      (no reply)
-    Acquire(rid, keys, sizes)        ->      Pinned(rid, tokens, offsets, sizes)
+    Acquire(rid, keys, sizes,        ->      Pinned(rid, tokens, offsets, sizes)
+            local_only, budget_ms)
     Release(tokens)                  ->      (no reply)
-    Exists(rid, keys, sizes)         ->      Count(rid, n)
+    Exists(rid, keys, sizes,         ->      Count(rid, n)
+           local_only, budget_ms)
     Lease(rid)                       ->      Leased(rid, offset, size)   (size 0: no room)
     Put(rid, keys, offsets, sizes,   ->      Stored(rid, ok, lease_offset, lease_size)
-        want_lease)
+        want_lease, write_rcache,
+        budget_ms)
     Return(offsets, sizes)           ->      (no reply)
     Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
     Ping(rid)                        ->      Pong(rid)
     any request                      ->      Error(rid, code, message)
+
+The options of a request travel with it (``write_rcache``, ``local_only`` =
+``read_local_only``, ``budget_ms`` = what is left of its deadline): a daemon with a
+cluster tier (``ems.server.cluster_tier``) acts on them, a single-host one ignores
+them. A cluster daemon may answer an Acquire, Exists, Put or Commit later than
+requests sent after it (after its cluster round trip): replies are matched by rid.
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -169,8 +179,13 @@ def _tree(v: Any, depth: int = 0) -> bool:
     return False
 
 
-def _field(check: Callable[[Any], bool]) -> Any:
-    return dataclasses.field(metadata={"check": check})
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def _field(check: Callable[[Any], bool], default: Any = _NO_DEFAULT) -> Any:
+    """A field and its check; a ``default`` only lets code build the message without
+    it (the wire form always carries every field)."""
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
 # ----------------------------------------------------------------------- base
@@ -308,16 +323,24 @@ class Welcome(Message):
 
 @_message(10)
 class Reserve(Message):
+    """``write_rcache`` False: the values go to the cluster's home node only (a
+    cluster daemon sends them at Commit and keeps no local copy)."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: list = _field(_uints)
+    write_rcache: bool = _field(_bool, True)
     PARALLEL = (("keys", "sizes"),)
 
 
 @_message(11)
 class Commit(Message):
+    """``budget_ms``: what is left of the request's deadline (0: none), which bounds a
+    cluster daemon's write to the home node."""
+
     rid: int = _field(_rid)
     tokens: list = _field(_uints)
+    budget_ms: int = _field(_uint, 0)
 
 
 @_message(12)
@@ -327,9 +350,15 @@ class Abort(Message):
 
 @_message(13)
 class Acquire(Message):
+    """``local_only`` (CcKvOption.read_local_only): a cluster daemon does not go to the
+    home nodes for the keys its local pool missed; ``budget_ms`` bounds that (0: no
+    deadline)."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: Optional[list] = _field(_opt(_uints))
+    local_only: bool = _field(_bool, False)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "sizes"),)
 
 
@@ -340,9 +369,13 @@ class Release(Message):
 
 @_message(15)
 class Exists(Message):
+    """``local_only``/``budget_ms`` as for :class:`Acquire`."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: Optional[list] = _field(_opt(_uints))
+    local_only: bool = _field(_bool, False)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "sizes"),)
 
 
@@ -364,13 +397,17 @@ class Lease(Message):
 
 @_message(19)
 class Put(Message):
-    """Commit values written into the connection's lease at ``offsets``."""
+    """Commit values written into the connection's lease at ``offsets``.
+    ``write_rcache`` False: a cluster daemon sends them to the home node only and
+    gives the ranges back (no local copy); ``budget_ms`` bounds that (0: none)."""
 
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     offsets: list = _field(_uints)
     sizes: list = _field(_uints)
     want_lease: bool = _field(_bool)
+    write_rcache: bool = _field(_bool, True)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "offsets", "sizes"),)
 
 

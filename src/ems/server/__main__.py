@@ -49,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spin-us", dest="spin_us", type=int,
                    help="busy-poll this long after a request before sleeping, in "
                         "microseconds (default 200; 0: never; env EMS_SERVER_SPIN_US)")
+    p.add_argument("--cluster", dest="cluster",
+                   help="join the shared tier: valkey://HOST:PORT[,HOST:PORT...] "
+                        "(valkeys://: TLS; env EMS_CLUSTER; password: EMS_CLUSTER_PASSWORD)")
+    p.add_argument("--cluster-ca-file", dest="cluster_ca_file",
+                   help="CA bundle for a valkeys:// cluster (env EMS_CLUSTER_CA_FILE)")
+    p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
+                   help="bytes of write-behind in flight at most, e.g. 256M (default)")
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p

