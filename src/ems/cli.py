@@ -1,4 +1,5 @@
-"""The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``.
+"""The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``,
+``ems cluster``.
 
 Each subcommand lives in its own package and is imported only when used, so
 ``ems --help`` works without torch.
@@ -20,6 +21,8 @@ _COMMANDS = {
               "throughput and latency against memcpy and the peers (table, JSON, plot)"),
     "stats": ("ems.server", "stats_main",
               "counters of a running ems-server (capacity, used, hit rate, tenants)"),
+    "cluster": ("ems.cluster.launcher", "main",
+                "a local Valkey Cluster for ems-server --cluster (up / down)"),
 }
 
 

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import load, opt, save, wait_until
+from cluster_support import load, opt, save, wait_until
 
 from ems import PrimaryKey
 from ems.cluster import launcher
@@ -218,6 +218,32 @@ def test_a_killed_node_misses_within_the_deadline_and_the_rest_hit(make_cluster,
           f"latency max {max(times) * 1000:.1f} ms")
 
 
+def test_a_hung_node_misses_within_the_deadline_then_is_skipped(make_cluster, make_host):
+    c = make_cluster(nodes=3)
+    a, b = make_host(c.seed), make_host(c.seed)
+    keys = [f"hung-{i}" for i in range(30)]
+    assert save(a, keys, SIZE, opt(write_rcache=False)) == 30
+    assert load(b, keys[:1], SIZE) == (1, 0)  # b is connected to the nodes
+    victim = owner(c, ckey(keys[1]))
+    on_victim = [k for k in keys[1:] if owner(c, ckey(k)) == victim]
+    others = [k for k in keys[1:] if k not in on_victim]
+    c.kill(victim, signal.SIGSTOP)
+    try:
+        times = []
+        for k in on_victim[:4]:
+            t0 = time.monotonic()
+            assert load(b, [k], SIZE, opt(timeout=500)) == (0, 0)
+            times.append(time.monotonic() - t0)
+        assert max(times) < 0.5  # a miss within the deadline, not an error
+        assert [load(b, [k], SIZE, opt(timeout=500)) for k in others] == [(1, 0)] * len(others)
+        state = {n["node"]: n["state"] for n in b.report()["cluster"]["nodes"]}
+        assert state[f"127.0.0.1:{victim}"] == "open"
+        print(f"\nhung node: misses after {[round(t * 1000) for t in times]} ms (deadline "
+              f"500 ms; the breaker opens after 2 failures)")
+    finally:
+        c.kill(victim, signal.SIGCONT)
+
+
 def test_with_a_replica_keys_hit_again_after_failover(make_cluster, make_host):
     c = make_cluster(nodes=3, replicas=1, node_timeout_ms=1000)
     a = make_host(c.seed)
@@ -261,17 +287,20 @@ def test_slots_migrated_during_reads(make_cluster, make_host):
     assert launcher.call(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst]) == "OK"
     t.start()
     names = [ckey(k) for k in keys]
-    for i in range(0, len(names), 10):
+    for i in range(0, len(names), 4):  # slowly: the reads run while the slot moves
         reply = launcher.call(src, "MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS",
-                              *names[i:i + 10])
+                              *names[i:i + 4])
         assert not isinstance(reply, ErrorReply), reply
-        time.sleep(0.01)
+        time.sleep(0.02)
     for n in c.primaries:
         launcher.call(n.port, "CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
     t.join(30)
     assert not t.is_alive()
     assert results == {"hit": 120, "miss": 0, "wrong": 0, "errors": 0}, results
     assert owner(c, names[0]) == dst
+    redirects = b.report()["cluster"]["redirects"]
+    print(f"\nmigration: 120 reads while slot {slot} moved: {redirects}")
+    assert redirects["ask"] + redirects["moved"] > 0  # the reads did meet the move
     assert load(b, [PrimaryKey("mig", "k0")], 16 << 10) == (1, 0)
 
 
@@ -294,3 +323,51 @@ def test_the_whole_cluster_down_leaves_the_local_tier_serving(make_cluster, make
     assert all(n["state"] != "closed" for n in rep["nodes"])
     print(f"\ncluster down: local hit + remote miss + save per round: "
           f"{min(times) * 1000:.1f}-{max(times) * 1000:.1f} ms")
+
+
+# ---------------------------------------------------------------- tooling
+
+def test_stats_show_both_tiers_and_every_node(shared_cluster, make_host):
+    from ems.server.stats import format_report
+    a, b = make_host(shared_cluster.seed), make_host(shared_cluster.seed)
+    assert save(a, ["stats-1", "stats-2"], SIZE, opt(write_rcache=False)) == 2
+    assert load(b, ["stats-1", "stats-2"], SIZE) == (2, 0)
+    text = format_report(b.report())
+    assert "cluster 127.0.0.1:" in text
+    lines = text.splitlines()
+    assert any(ln.startswith("local ") for ln in lines)
+    assert any(ln.startswith("cluster ") and "100.0%" in ln for ln in lines)
+    for n in shared_cluster.primaries:
+        assert any(ln.startswith(f"127.0.0.1:{n.port}") and "closed" in ln for ln in lines)
+
+
+def test_cli_up_and_down_start_and_stop_exactly_their_processes(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(src),
+                                                    env.get("PYTHONPATH", "")) if p)
+    d = str(tmp_path / "c")
+    up = subprocess.run([sys.executable, "-m", "ems", "cluster", "up", "--dir", d,
+                         "--nodes", "3"], capture_output=True, text=True, env=env, timeout=60)
+    state = None
+    try:
+        assert up.returncode == 0, up.stderr
+        seed = up.stdout.strip().splitlines()[-1]
+        assert seed.startswith("valkey://127.0.0.1:")
+        with open(os.path.join(d, "cluster.json")) as f:
+            state = json.load(f)
+        assert state["seed"] == seed and len(state["nodes"]) == 3
+        port = state["nodes"][0]["port"]
+        assert "cluster_state:ok" in launcher.call(port, "CLUSTER", "INFO").decode()
+    finally:
+        down = subprocess.run([sys.executable, "-m", "ems", "cluster", "down", "--dir", d],
+                              capture_output=True, text=True, env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert "stopped 3" in down.stdout
+    for n in (state or {}).get("nodes", []):
+        assert not os.path.exists(f"/proc/{n['pid']}") or open(
+            f"/proc/{n['pid']}/stat").read().split()[2] == "Z"

@@ -89,6 +89,8 @@ class ClusterClient:
             self._ssl = ssl.create_default_context(cafile=settings.ca_file)
         self._closed = False
         self.down_logged = False
+        #: MOVED and ASK answers followed (stats)
+        self.redirects = {"moved": 0, "ask": 0}
 
     # ------------------------------------------------------------ batches
     def run(self, ops: Sequence[Op], deadline: float) -> None:
@@ -221,8 +223,10 @@ class ClusterClient:
                 if kind == "MOVED":
                     self.slots.moved(int(slot), addr)
                     op.moved = True
+                    self.redirects["moved"] += 1
                 else:
                     op.ask = addr
+                    self.redirects["ask"] += 1
                 return
         op.ok = False
         if kind not in ("CLUSTERDOWN", "TRYAGAIN", "LOADING", "OOM"):

@@ -123,12 +123,15 @@ class LocalCluster:
 def _alive(n: Node) -> bool:
     if n.proc is not None:
         return n.proc.poll() is None
-    try:
+    try:  # valkey-server rewrites its title: "valkey-server 127.0.0.1:PORT [cluster]"
         with open(f"/proc/{n.pid}/cmdline", "rb") as f:
-            cmd = f.read().split(b"\0")
+            cmd = f.read().replace(b"\0", b" ")
+        with open(f"/proc/{n.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return False  # a zombie: already dead
     except OSError:
         return False
-    return any(c.endswith(b"valkey-server") for c in cmd) and str(n.port).encode() in cmd
+    return b"valkey-server" in cmd and f":{n.port}".encode() in cmd
 
 
 def _stop(n: Node, grace_s: float = 3.0) -> None:

@@ -374,7 +374,7 @@ class ClusterTier:
         nodes = self.client.slots.rows()
         return {"seeds": [f"{h}:{p}" for h, p in self.settings.seeds], "tls": self.settings.tls,
                 "state": "down" if self.client.down_logged else "ok", "tier": row,
-                "nodes": nodes}
+                "redirects": dict(self.client.redirects), "nodes": nodes}
 
     def close(self) -> None:
         """Stop the workers (their batches end by their deadlines), then the client."""
