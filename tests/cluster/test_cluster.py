@@ -369,5 +369,4 @@ def test_cli_up_and_down_start_and_stop_exactly_their_processes(tmp_path):
     assert down.returncode == 0, down.stderr
     assert "stopped 3" in down.stdout
     for n in (state or {}).get("nodes", []):
-        assert not os.path.exists(f"/proc/{n['pid']}") or open(
-            f"/proc/{n['pid']}/stat").read().split()[2] == "Z"
+        assert not launcher._alive(launcher.Node(n["port"], n["pid"], n["role"], n["dir"]))
