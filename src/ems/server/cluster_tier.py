@@ -33,8 +33,9 @@ So a remote hit costs one copy beyond the socket read (pool -> caller), and no P
 ``bytes`` per value. ``CcResult.success`` counts the leading hits across both tiers.
 
 Deadlines: each request carries what is left of its deadline (``budget_ms``); the
-tier's batch gets 80% of it (the rest is for the reply and the client's copy), or
-``op_timeout_s`` for a request without one. A dead or hung node's keys miss by then;
+tier's batch gets 80% of it (the rest is for the reply and the client's copy), and
+never more than ``op_timeout_s`` (2 s) nor half the reservation TTL (a fetch writes
+into a reservation, which must not expire under it). A dead or hung node's keys miss by then;
 its circuit breaker then skips it for ``breaker_open_s`` (``ems.cluster.topology``).
 
 Write-behind is bounded: at most ``write_behind_bytes`` (default 256 MiB) in flight
@@ -101,7 +102,8 @@ class ClusterTier:
 
     def __init__(self, settings: ClusterSettings, wake: Callable[[], None],
                  reply: Callable[..., None], lease: Callable[[Pool, int], tuple[int, int]],
-                 workers: int = 4, write_behind_bytes: int = 256 << 20) -> None:
+                 workers: int = 4, write_behind_bytes: int = 256 << 20,
+                 reservation_ttl_s: float = 60.0) -> None:
         missing = value.available()
         if missing:
             raise RuntimeError(missing)
@@ -115,6 +117,9 @@ class ClusterTier:
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         self._reserved: dict[int, dict[int, tuple[str, int, int, bool]]] = {}
         self._write_behind_limit = write_behind_bytes
+        # A fetch writes into a reservation: it must end well before the pool may
+        # expire that reservation and give its space to another key.
+        self._max_batch_s = min(settings.op_timeout_s, reservation_ttl_s / 2)
         self._pending_bytes = 0
         self._lock = threading.Lock()  # counters updated by workers
         self._c = collections.Counter()
@@ -157,8 +162,8 @@ class ClusterTier:
                 logger.exception("ems cluster: a completion failed")
 
     def _deadline(self, budget_ms: int) -> float:
-        budget = budget_ms / 1000 * BUDGET_SHARE if budget_ms else self.settings.op_timeout_s
-        return time.monotonic() + min(budget, self.settings.op_timeout_s)
+        budget = budget_ms / 1000 * BUDGET_SHARE if budget_ms else self._max_batch_s
+        return time.monotonic() + min(budget, self._max_batch_s)
 
     def _count(self, **kw: int) -> None:
         with self._lock:
@@ -404,7 +409,8 @@ def start(config: Any, wake: Callable[[], None], reply: Callable[..., None],
     if config.cluster_password:
         settings = dataclasses.replace(settings, password=config.cluster_password)
     tier = ClusterTier(settings, wake, reply, lease,
-                       write_behind_bytes=config.cluster_write_behind_bytes)
+                       write_behind_bytes=config.cluster_write_behind_bytes,
+                       reservation_ttl_s=config.reservation_ttl_s)
     logger.info("ems-server: cluster tier on %s (%s), write-behind bound %d MiB",
                 ",".join(f"{h}:{p}" for h, p in settings.seeds),
                 "TLS" if settings.tls else "plain TCP", config.cluster_write_behind_bytes >> 20)
