@@ -113,3 +113,22 @@ def test_set_parts_gather_without_joining():
     assert bytes(got) == (b"*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$100004\r\nHEAD" + b"x" * 100_000
                           + b"\r\n")
     assert command("GET", b"k", 5) == b"*3\r\n$3\r\nGET\r\n$1\r\nk\r\n$1\r\n5\r\n"
+
+
+def test_server_config_takes_the_cluster_from_flag_env_and_file(tmp_path):
+    from ems.server.config import ServerConfig
+    seed = "valkey://127.0.0.1:7000,127.0.0.1:7001"
+    assert ServerConfig.load({"cluster": seed}, {}).cluster == seed
+    cfg = ServerConfig.load({}, {"EMS_CLUSTER": seed, "EMS_CLUSTER_PASSWORD": "s3cret"})
+    assert cfg.cluster == seed and cfg.cluster_password == "s3cret"
+    assert "s3cret" not in repr(cfg) and "7000" not in repr(cfg)  # may hold credentials
+    path = tmp_path / "server.toml"
+    path.write_text(f'cluster = "{seed}"\ncluster_write_behind = "64M"\n')
+    cfg = ServerConfig.load({"config": str(path)}, {})
+    assert cfg.cluster == seed and cfg.cluster_write_behind_bytes == 64 << 20
+    assert ServerConfig.load({}, {}).cluster is None  # one host, as before
+    for bad in ("127.0.0.1:7000", "valkey://nohost", "valkey://h:99999"):
+        with pytest.raises(EmsException) as info:
+            ServerConfig.load({"cluster": bad}, {})
+        assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+        assert "cluster" in info.value.message()

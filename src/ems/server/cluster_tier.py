@@ -43,6 +43,12 @@ Write-behind is bounded: at most ``write_behind_bytes`` (default 256 MiB) in fli
 (``write_behind_dropped``). The time after which another host sees a write-behind is
 one batch to the home node (measured in ``tests/cluster``; see docs/cluster.md).
 
+A fetch reserves local space for every key it asks for, before it knows which the
+cluster has (that keeps it at one round trip): on a full pool that may evict local
+LRU objects for keys the cluster then misses. Prefix caches look up first (``exists``,
+which reserves nothing) and load what was found, so this stays rare. A key another
+request of this host is fetching right now (BUSY) ends this request's leading run.
+
 Tenants stay apart: the tenant's name is part of every Valkey key's hash tag, and the
 tenant is the one the connection authenticated as, never a client's word.
 """

@@ -8,6 +8,12 @@ of handlers, and answered with wire lists: no message object per request. After 
 request the loop polls without sleeping for ``spin_us`` (yielding the CPU between
 polls), so a client that sends its next request soon does not wait for a wake-up.
 
+With ``--cluster`` (``ems.server.cluster_tier``) the pools are also the read cache of
+a Valkey Cluster shared by every host: the handlers of Acquire, Exists, Put, Reserve
+and Commit hand the cluster's part to the tier, whose worker threads do the network
+I/O and queue their completions, which the loop runs when the wake socketpair fires;
+those requests are then answered after their cluster round trip (by rid).
+
 A connection goes through these phases::
 
     accept --> HELLO --(anonymous / admin)-----------------------> READY --> closed
