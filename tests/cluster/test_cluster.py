@@ -149,6 +149,29 @@ def test_a_prefix_split_across_tiers(shared_cluster, make_host):
     assert load(b, keys[:4] + ["split-none"] + keys[4:], SIZE) == (4, 0)
 
 
+def test_concurrent_loads_of_the_same_blocks_fetch_them_once(shared_cluster, make_host):
+    from conftest import Host
+    a, b = make_host(shared_cluster.seed), make_host(shared_cluster.seed)
+    keys = [PrimaryKey("mla", f"blk{i}") for i in range(16)]
+    assert save(a, keys, SIZE, opt(write_rcache=False)) == 16
+    ranks = [Host(b.server) for _ in range(3)]  # TP ranks of an MLA model on host b
+    try:
+        before = b.report()["cluster"]["tier"]["lookups"]
+        got: list = [None] * len(ranks)
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+            i, load(ranks[i], keys, SIZE))) for i in range(len(ranks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got == [(16, 0)] * len(ranks)
+        fetched = b.report()["cluster"]["tier"]["lookups"] - before
+        assert fetched == 16  # each block came over the network once
+    finally:
+        for r in ranks:
+            r.close()
+
+
 def test_write_behind_becomes_visible_on_another_host(shared_cluster, make_host):
     a, b = make_host(shared_cluster.seed), make_host(shared_cluster.seed)
     lags = []

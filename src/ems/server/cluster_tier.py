@@ -47,7 +47,8 @@ A fetch reserves local space for every key it asks for, before it knows which th
 cluster has (that keeps it at one round trip): on a full pool that may evict local
 LRU objects for keys the cluster then misses. Prefix caches look up first (``exists``,
 which reserves nothing) and load what was found, so this stays rare. A key another
-request of this host is fetching right now (BUSY) ends this request's leading run.
+request of this host is fetching right now is not fetched twice: the second request
+waits for that fetch (the TP ranks of an MLA model load the same blocks at once).
 
 Tenants stay apart: the tenant's name is part of every Valkey key's hash tag, and the
 tenant is the one the connection authenticated as, never a client's word.
@@ -122,6 +123,8 @@ class ClusterTier:
         self._done: collections.deque = collections.deque()
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         self._reserved: dict[int, dict[int, tuple[str, int, int, bool]]] = {}
+        #: (tenant, key) -> the fetch that is getting it now (others wait for it)
+        self._inflight: dict[tuple[int, str], _Fetch] = {}
         self._write_behind_limit = write_behind_bytes
         # A fetch writes into a reservation: it must end well before the pool may
         # expire that reservation and give its space to another key.
@@ -178,23 +181,53 @@ class ClusterTier:
     # ------------------------------------------------------------ loads
     def acquire(self, conn: Any, tenant: Any, rid: int, keys: list[str], sizes: list[int],
                 pins: list, budget_ms: int) -> None:
-        """Answer an Acquire whose local pins are ``pins`` (fewer than ``keys``)."""
+        """Answer an Acquire whose local pins are ``pins`` (fewer than ``keys``).
+
+        Each key after the local hits is either being fetched already by another
+        request of this host (this one waits for that fetch: the TP ranks of an MLA
+        model load the same blocks at the same moment), or reserved here and fetched
+        by this request's batch; the first key that is neither (another writer holds
+        it, no room) ends the run. Once every fetch it waits for is done, the leading
+        run is pinned for the client and the request is answered."""
         pool: Pool = tenant.pool
         n = len(pins)
-        grants = pool.reserve(keys[n:], sizes[n:], FETCH_OWNER)
-        lead = 0
-        while lead < len(grants) and grants[lead].status is GrantStatus.NEW:
-            lead += 1
-        pool.abort([g.token for g in grants[lead:] if g.status is GrantStatus.NEW],
-                   FETCH_OWNER)
-        grants = grants[:lead]
-        if not grants:
+        tid = id(tenant)
+        waits: list[_Fetch] = []
+        mine: list[tuple[str, Any]] = []
+        considered = 0
+        for key, size in zip(keys[n:], sizes[n:]):
+            fetch = self._inflight.get((tid, key))
+            if fetch is not None:
+                if fetch not in waits:
+                    waits.append(fetch)
+            else:
+                grant = pool.reserve([key], [size], FETCH_OWNER)[0]
+                if grant.status is not GrantStatus.NEW:
+                    break
+                mine.append((key, grant))
+            considered += 1
+        if not considered:
             self._answer_pins(conn, rid, pins)
             return
+        if mine:
+            fetch = self._fetch(tenant, mine, self._deadline(budget_ms))
+            waits.append(fetch)
+        request = _Waiting(conn, tenant, rid, keys[n:n + considered],
+                           sizes[n:n + considered], list(pins), len(waits))
+        for fetch in waits:
+            fetch.waiters.append(request)
+
+    def _fetch(self, tenant: Any, grants: list[tuple[str, Any]], deadline: float
+               ) -> "_Fetch":
+        """Start one batch of GETs into reserved pool space; registered as in flight."""
+        pool: Pool = tenant.pool
         memory = self._memory(tenant)
         ops = [Op("get", cluster_key(tenant.name, k), target=memory[g.offset:g.offset + g.size],
-                  size=g.size) for k, g in zip(keys[n:], grants)]
-        deadline = self._deadline(budget_ms)
+                  size=g.size) for k, g in grants]
+        fetch = _Fetch()
+        tid = id(tenant)
+        for key, _ in grants:
+            self._inflight[(tid, key)] = fetch
 
         def work() -> list[Op]:
             self.client.run(ops, deadline)
@@ -204,21 +237,26 @@ class ClusterTier:
             ok = [op.ok for op in ops]
             for op in ops:
                 op.target.release()  # type: ignore[union-attr]
-            good = [g.token for g, hit in zip(grants, ok) if hit]
-            pool.commit(good, FETCH_OWNER)  # every verified value fills the read cache
-            pool.abort([g.token for g, hit in zip(grants, ok) if not hit], FETCH_OWNER)
-            leading = 0
-            while leading < len(ok) and ok[leading]:
-                leading += 1
+            pool.commit([g.token for (_, g), hit in zip(grants, ok) if hit], FETCH_OWNER)
+            pool.abort([g.token for (_, g), hit in zip(grants, ok) if not hit], FETCH_OWNER)
+            for key, _ in grants:  # every verified value has filled the read cache
+                self._inflight.pop((tid, key), None)
             self._count(lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
-                        bytes_in=sum(g.size for g, hit in zip(grants, ok) if hit))
-            more = []
-            if leading and getattr(conn, "tenant", None) is tenant and _open(conn):
-                more = pool.acquire(keys[n:n + leading], sizes[n:n + leading], conn.id,
-                                    count=False)
-            self._answer_pins(conn, rid, list(pins) + more)
+                        bytes_in=sum(g.size for (_, g), hit in zip(grants, ok) if hit))
+            for request in fetch.waiters:
+                request.pending -= 1
+                if request.pending == 0:
+                    self._finish(request)
 
         self._submit(work, done)
+        return fetch
+
+    def _finish(self, w: "_Waiting") -> None:
+        """All fetches ``w`` waited for are done: pin its leading run, answer it."""
+        more: list = []
+        if getattr(w.conn, "tenant", None) is w.tenant and _open(w.conn):
+            more = w.tenant.pool.acquire(w.keys, w.sizes, w.conn.id, count=False)
+        self._answer_pins(w.conn, w.rid, w.pins + more)
 
     def _answer_pins(self, conn: Any, rid: int, pins: Sequence[Any]) -> None:
         self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
@@ -400,6 +438,26 @@ class ClusterTier:
             except BufferError:  # a view still exported (a bug elsewhere): leave it
                 pass
         self._maps.clear()
+
+
+class _Fetch:
+    """One batch of GETs in flight; the requests that wait for it."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self) -> None:
+        self.waiters: list[_Waiting] = []
+
+
+class _Waiting:
+    """An Acquire waiting for ``pending`` fetches (then its leading run is pinned)."""
+
+    __slots__ = ("conn", "tenant", "rid", "keys", "sizes", "pins", "pending")
+
+    def __init__(self, conn: Any, tenant: Any, rid: int, keys: list[str], sizes: list[int],
+                 pins: list, pending: int) -> None:
+        self.conn, self.tenant, self.rid = conn, tenant, rid
+        self.keys, self.sizes, self.pins, self.pending = keys, sizes, pins, pending
 
 
 def _open(conn: Any) -> bool:
