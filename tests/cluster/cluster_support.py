@@ -7,7 +7,32 @@ import hashlib
 import time
 from typing import Any, Optional
 
-from ems import CcKvOption, KvBufferWrapper
+from ems import CcConfig, CcKvOption, KvBufferWrapper
+from ems.client.context_caching import ContextCaching
+from ems.client.remote import RemoteTransport
+
+
+class Host:
+    """One simulated host: a daemon joined to the cluster, and its SDK client."""
+
+    def __init__(self, server: Any, access_id: Optional[str] = None,
+                 access_key: Optional[str] = None, v1: Any = None) -> None:
+        self.server = server
+        self.transport = RemoteTransport.connect(server.socket_path, access_id, access_key,
+                                                 5.0)
+        self.cc = ContextCaching(self.transport, CcConfig(rank_id=0, device_id=0,
+                                                          model_id="m"), v1,
+                                 tenant=access_id or "")
+
+    def report(self) -> dict:
+        return self.server.stats()
+
+    def tenant_row(self, name: str = "(anonymous)") -> dict:
+        return self.report()["tenants"][name]
+
+    def close(self) -> None:
+        self.cc.close()
+        self.transport.close()
 
 
 def pattern(key: str, size: int) -> bytes:

