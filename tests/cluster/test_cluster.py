@@ -392,3 +392,38 @@ def test_cli_up_and_down_start_and_stop_exactly_their_processes(tmp_path):
     assert "stopped 3" in down.stdout
     for n in (state or {}).get("nodes", []):
         assert not launcher._alive(launcher.Node(n["port"], n["pid"], n["role"], n["dir"]))
+
+
+def test_a_daemon_whose_cluster_never_answers_serves_locally(make_host):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        a = make_host(f"valkey://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        assert save(a, ["alone-1"], SIZE) == 1
+        assert load(a, ["alone-1"], SIZE) == (1, 0)
+        assert load(a, ["alone-2"], SIZE, opt(timeout=1000)) == (0, 0)
+        assert save(a, ["alone-3"], SIZE, opt(write_rcache=False, timeout=1000)) == 0
+        assert time.monotonic() - t0 < 3.0
+        rep = a.report()["cluster"]
+        assert rep["state"] == "down"
+
+
+def test_a_password_protected_cluster_needs_the_daemons_password(make_cluster, make_host):
+    import os
+    pw = "s3cret-\"pass\\word"
+    c = make_cluster(nodes=3, password=pw)
+    env = dict(os.environ, EMS_CLUSTER_PASSWORD=pw)
+    a, b = make_host(c.seed, env=env), make_host(c.seed, env=env)
+    stranger = make_host(c.seed)  # no password: the cluster refuses it
+    assert save(a, ["auth-1"], SIZE, opt(write_rcache=False)) == 1
+    assert load(b, ["auth-1"], SIZE) == (1, 0)
+    assert load(stranger, ["auth-1"], SIZE, opt(timeout=1000)) == (0, 0)
+    for server in (a.server, b.server):  # never on a command line
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            assert pw.encode() not in f.read()
+    for n in c.nodes:
+        with open(f"/proc/{n.pid}/cmdline", "rb") as f:
+            assert pw.encode() not in f.read()
+    assert isinstance(launcher.call(c.nodes[0].port, "PING"), ErrorReply)  # NOAUTH

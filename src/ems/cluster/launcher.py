@@ -73,19 +73,34 @@ class Node:
         return ("127.0.0.1", self.port)
 
 
-def call(port: int, *args: Any, timeout_s: float = 2.0) -> Any:
-    """One command to 127.0.0.1:``port`` on a fresh connection."""
+def call(port: int, *args: Any, timeout_s: float = 2.0, password: Optional[str] = None
+         ) -> Any:
+    """One command to 127.0.0.1:``port`` on a fresh connection (after AUTH when a
+    ``password`` is given)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        reader = Reader(sock)
+        if password is not None:
+            sock.sendall(command("AUTH", password))
+            reply = reader.reply()
+            if reply != "OK":
+                raise ConnectionRefusedError(f"AUTH refused: {reply}")
         sock.sendall(command(*args))
-        return Reader(sock).reply()
+        return reader.reply()
 
 
 class LocalCluster:
     """A running local cluster (``up`` builds it; ``stop`` or ``down`` ends it)."""
 
-    def __init__(self, directory: str, nodes: list[Node]) -> None:
+    def __init__(self, directory: str, nodes: list[Node],
+                 password: Optional[str] = None) -> None:
         self.directory = directory
         self.nodes = nodes
+        self.password = password
+
+    def call(self, port: int, *args: Any, timeout_s: float = 2.0) -> Any:
+        """One command to the node on ``port`` (authenticated when the cluster has a
+        password)."""
+        return call(port, *args, timeout_s=timeout_s, password=self.password)
 
     @property
     def primaries(self) -> list[Node]:
@@ -177,10 +192,12 @@ def _free(port: int) -> bool:
 
 
 def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
-       maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout_s: float = 30.0
-       ) -> LocalCluster:
+       maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout_s: float = 30.0,
+       password: Optional[str] = None) -> LocalCluster:
     """Start and join a cluster (see the module docstring); on any failure, stop what
-    was started and raise :class:`LauncherError`."""
+    was started and raise :class:`LauncherError`. ``password``: every node requires it
+    (``requirepass``, and ``masterauth`` for the replicas); it is passed to the nodes
+    in their config file, never on their command line."""
     if not 1 <= nodes <= 64 or not 0 <= replicas <= 4:
         raise LauncherError(f"--nodes must be 1..64 and --replicas 0..4, got {nodes}, "
                             f"{replicas}")
@@ -192,7 +209,8 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
     os.makedirs(directory, exist_ok=True)
     binary = server_binary()
     started: list[Node] = []
-    cluster = LocalCluster(os.path.abspath(directory), started)
+    cluster = LocalCluster(os.path.abspath(directory), started, password)
+    call = cluster.call  # every command below authenticates (when a password is set)
     try:
         for i in range(total):
             p = base + i
@@ -210,6 +228,13 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
                     "--save", "", "--appendonly", "no",
                     "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
                     "--logfile", os.path.join(ndir, "valkey.log"), "--daemonize", "no"]
+            if password is not None:  # in a 0600 config file: ps shows command lines
+                conf = os.path.join(ndir, "auth.conf")
+                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+                    f.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n')
+                args.insert(1, conf)
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, start_new_session=True)
             started.append(Node(p, proc.pid, role, ndir,
@@ -227,15 +252,16 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
             _ok(call(n.port, "CLUSTER", "SET-CONFIG-EPOCH", i + 1), "SET-CONFIG-EPOCH")
         for n in started[1:]:
             _ok(call(n.port, "CLUSTER", "MEET", "127.0.0.1", started[0].port), "MEET")
-        _wait(lambda: all(_known(n.port) >= total for n in started), deadline,
+        _wait(lambda: all(_known(call, n.port) >= total for n in started), deadline,
               "the nodes did not all meet")
         for n in started:
             if n.role == "replica":
                 _ok(call(n.port, "CLUSTER", "REPLICATE", ids[n.primary_port]), "REPLICATE")
-        _wait(lambda: all(_state_ok(n.port) for n in started), deadline,
+        _wait(lambda: all(_state_ok(call, n.port) for n in started), deadline,
               "the cluster did not reach cluster_state:ok")
         if replicas:
-            _wait(lambda: all(_is_replica(n.port) for n in started if n.role == "replica"),
+            _wait(lambda: all(_is_replica(call, n.port) for n in started
+                              if n.role == "replica"),
                   deadline, "the replicas did not sync with their primaries")
         cluster.save_state()
         return cluster
@@ -251,15 +277,15 @@ def _ok(reply: Any, what: str) -> None:
         raise LauncherError(f"CLUSTER {what} answered {reply!r}")
 
 
-def _known(port: int) -> int:
+def _known(call: Any, port: int) -> int:
     return len([ln for ln in call(port, "CLUSTER", "NODES").decode().splitlines() if ln])
 
 
-def _state_ok(port: int) -> bool:
+def _state_ok(call: Any, port: int) -> bool:
     return "cluster_state:ok" in call(port, "CLUSTER", "INFO").decode()
 
 
-def _is_replica(port: int) -> bool:
+def _is_replica(call: Any, port: int) -> bool:
     info = call(port, "INFO", "replication").decode()
     return "role:slave" in info and "master_link_status:up" in info
 
