@@ -234,14 +234,29 @@ class ClusterClient:
 
     # ------------------------------------------------------------ topology
     def _maybe_refresh(self, deadline: float) -> None:
+        """A stale slot map is refreshed in the background (requests go on with the
+        map they have, MOVED patches it); only without any map yet does a request
+        wait for the refresh (within its deadline)."""
         s = self.slots
         now = time.monotonic()
         if not s.stale or now - s.refreshed_at < self.settings.refresh_s:
             return
         if not self._refresh_lock.acquire(blocking=False):
             return  # another thread refreshes; use the map as it is
+        if s.loaded:
+            threading.Thread(target=self._refresh_in_background, daemon=True,
+                             name="ems-cluster-refresh").start()
+            return
         try:
             self.refresh(deadline)
+        finally:
+            self._refresh_lock.release()
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self.refresh(time.monotonic() + self.settings.op_timeout_s)
+        except Exception:  # noqa: BLE001 - the next stale request tries again
+            logger.exception("ems cluster: refreshing the slot map failed")
         finally:
             self._refresh_lock.release()
 

@@ -121,6 +121,7 @@ class SlotMap:
         self._health: dict[Addr, NodeHealth] = {}
         self.refreshed_at = 0.0
         self.stale = True
+        self.loaded = False  # a CLUSTER SLOTS answer was installed once
         self.epoch = 0  # bumped by every change
 
     # ------------------------------------------------------------ queries
@@ -193,6 +194,7 @@ class SlotMap:
             self._slots = slots
             self.refreshed_at = time.monotonic()
             self.stale = False
+            self.loaded = True
             self.epoch += 1
         return covered
 
