@@ -31,31 +31,18 @@ it (unit-tested against ``CLUSTER KEYSLOT`` of a real server).
 
 from __future__ import annotations
 
+import binascii
+
 __all__ = ["SLOTS", "cluster_key", "hash_slot", "split_storage_key", "escape"]
 
 SLOTS = 16384
 
 
-def _table() -> list[int]:
-    table = []
-    for byte in range(256):
-        crc = byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
-        table.append(crc & 0xFFFF)
-    return table
-
-
-_CRC16 = _table()
-
-
 def crc16(data: bytes) -> int:
-    """CRC16/XMODEM (poly 0x1021, init 0), the checksum of Redis Cluster's key slots."""
-    crc = 0
-    table = _CRC16
-    for byte in data:
-        crc = ((crc << 8) & 0xFFFF) ^ table[((crc >> 8) ^ byte) & 0xFF]
-    return crc
+    """CRC16/XMODEM (poly 0x1021, init 0), the checksum of Redis Cluster's key slots:
+    ``binascii.crc_hqx`` with init 0 is exactly that, in C (~0.1 us against ~10 us for
+    a table loop in Python over a 60-byte key)."""
+    return binascii.crc_hqx(data, 0)
 
 
 def hash_slot(key: bytes) -> int:
