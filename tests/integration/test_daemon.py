@@ -214,7 +214,7 @@ def test_stats_command_table_and_json(cc, server):
     anon = report["tenants"]["(anonymous)"]
     assert anon["objects"] == 2 and anon["hits"] == 1 and anon["connections"] == 1
     assert report["server"]["connections"] >= 1
-    from ems.server import stats_main
+    from ems.stats import main as stats_main
     assert stats_main(["--socket-dir", server.socket_dir, "--json"]) == 0
     assert stats_main(["--socket-dir", server.directory + "/nowhere"]) == 1
 
@@ -227,7 +227,7 @@ def test_init_against_an_absent_daemon_fails_fast(tmp_path, monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(EmsException) as info:
         Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
-    assert info.value.status_code() is EmsErrorCode.EMS_UNAVAILABLE
+    assert info.value.status_code() is EmsErrorCode.EMS_RECOVERD_ERROR
     assert time.monotonic() - t0 < 1.0
     assert Ems.get_cc() is None and not Ems.check_health()
 
@@ -244,7 +244,7 @@ def test_init_against_a_hung_daemon_fails_within_the_connect_timeout(server, cli
         elapsed = time.monotonic() - t0
     finally:
         server.resume()
-    assert info.value.status_code() is EmsErrorCode.EMS_UNAVAILABLE
+    assert info.value.status_code() is EmsErrorCode.EMS_RECOVERD_ERROR
     assert 0.3 < elapsed < 2.0
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
     assert Ems.check_health()

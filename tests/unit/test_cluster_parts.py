@@ -11,7 +11,7 @@ from ems.cluster import keys as ck
 from ems.cluster.resp import ErrorReply, Reader, RespError, command, send_parts, set_parts
 from ems.cluster.topology import parse_url
 from ems.errors import EmsErrorCode, EmsException
-from ems.keys import v0_storage_keys, PrimaryKey
+from ems.keys import PrimaryKey, v0_storage_keys
 
 
 def test_crc16_is_xmodem_and_slots_follow_hash_tags():

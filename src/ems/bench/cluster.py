@@ -18,6 +18,7 @@ The cluster and daemons are stopped by PID at the end (``Service`` / the launche
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -60,7 +61,7 @@ class ClusterHosts:
                 self.socket_dirs.append(d)
                 sock = os.path.join(d, PoolSettings.SOCKET_NAME)
                 try:
-                    wait_for(svc.name, lambda: _unix_accepts(sock), svc, timeout_s)
+                    wait_for(svc.name, functools.partial(_unix_accepts, sock), svc, timeout_s)
                 except RuntimeError as exc:
                     raise Unavailable(str(exc)) from None
         except BaseException:

@@ -255,7 +255,7 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
         _wait(lambda: all(_known(call, n.port) >= total for n in started), deadline,
               "the nodes did not all meet")
         for n in started:
-            if n.role == "replica":
+            if n.role == "replica" and n.primary_port is not None:
                 _ok(call(n.port, "CLUSTER", "REPLICATE", ids[n.primary_port]), "REPLICATE")
         _wait(lambda: all(_state_ok(call, n.port) for n in started), deadline,
               "the cluster did not reach cluster_state:ok")

@@ -25,7 +25,7 @@ security). Every host must use the same format; the version field says which.
 from __future__ import annotations
 
 import struct
-from typing import Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["HEADER", "MAGIC", "VERSION", "digest", "header", "check_header"]
 
@@ -34,6 +34,7 @@ VERSION = 1
 _HEADER = struct.Struct("<4sHHQQQ")
 HEADER = _HEADER.size  # 32
 
+_xxh3: Optional[Callable[[Any], int]]
 try:
     from xxhash import xxh3_64_intdigest as _xxh3
 except ImportError:  # pragma: no cover - the cluster extra installs it

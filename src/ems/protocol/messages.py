@@ -9,6 +9,7 @@ closes.
 A connection goes through two phases::
 
     client                                   daemon
+    Ping(rid)                        ->      Pong(rid)   (a probe: allowed before Hello)
     Hello(access_id, admin)          ->
                                      <-      Challenge(nonce)       (access_id given)
     Auth(mac)                        ->
@@ -62,7 +63,14 @@ import dataclasses
 import hashlib
 import hmac
 import operator
-from typing import Any, Callable, ClassVar, Optional
+import sys
+from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # (only type checkers read it)
+    def dataclass_transform(**_kwargs: Any) -> Callable[[Any], Any]:
+        return lambda f: f
 
 from ems.errors import EmsErrorCode, EmsException
 
@@ -208,7 +216,7 @@ class Message:
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
 
     def to_wire(self) -> list[Any]:
-        return [self.TYPE, *self._fields_of(self)]
+        return [self.TYPE, *type(self)._fields_of(self)]
 
     @classmethod
     def check(cls, values: list[Any]) -> "Message":
@@ -240,10 +248,12 @@ def _short(v: Any) -> str:
 
 
 MESSAGES: dict[int, type[Message]] = {}
+_M = TypeVar("_M")
 
 
-def _message(code: int) -> Callable[[type], type]:
-    def register(cls: type) -> type:
+@dataclass_transform(frozen_default=True, field_specifiers=(_field,))
+def _message(code: int) -> Callable[[type[_M]], type[_M]]:
+    def register(cls: Any) -> Any:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = code
         fields = dataclasses.fields(cls)
@@ -310,13 +320,16 @@ class Auth(Message):
 @_message(4)
 class Welcome(Message):
     """Session accepted. A tenant session comes with the tenant's memfd (SCM_RIGHTS):
-    ``segment_size`` bytes of pool memory, named ``segment_id`` in this daemon."""
+    ``segment_size`` bytes of pool memory, named ``segment_id`` in this daemon.
+    ``max_keys``: the most keys (or tokens, or ranges) one request may carry."""
 
     tenant: str = _field(_str)
     segment_id: int = _field(_uint)
     segment_size: int = _field(_uint)
     reservation_ttl_s: float = _field(_num)
     server: str = _field(_str)
+    #: the daemon's max_keys_per_request: the client sends batches in such slices
+    max_keys: int = _field(_uint)
 
 
 # ----------------------------------------------------------------------- requests

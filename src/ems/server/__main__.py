@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CA bundle for a valkeys:// cluster (env EMS_CLUSTER_CA_FILE)")
     p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
                    help="bytes of write-behind in flight at most, e.g. 256M (default)")
+    p.add_argument("--limit", action="append", metavar="NAME=VALUE",
+                   help="a bound on what one client may hold or send (repeatable), e.g. "
+                        "max_keys_per_request=4096; see ems.server.config.Limits")
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p
@@ -64,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["stats"]:
-        from ems.server import stats_main
+        from ems.stats import main as stats_main  # a client tool, outside the daemon
         return stats_main(argv[1:])
     if argv[:1] == ["serve"]:
         argv = argv[1:]

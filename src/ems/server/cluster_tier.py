@@ -108,7 +108,7 @@ class ClusterTier:
     ``reply(conn, cls, *fields)`` answers a connection if it is still open."""
 
     def __init__(self, settings: ClusterSettings, wake: Callable[[], None],
-                 reply: Callable[..., None], lease: Callable[[Pool, int], tuple[int, int]],
+                 reply: Callable[..., None], lease: Callable[[Pool, Any], tuple[int, int]],
                  workers: int = 4, write_behind_bytes: int = 256 << 20,
                  reservation_ttl_s: float = 60.0) -> None:
         missing = value.available()
@@ -131,7 +131,7 @@ class ClusterTier:
         self._max_batch_s = min(settings.op_timeout_s, reservation_ttl_s / 2)
         self._pending_bytes = 0
         self._lock = threading.Lock()  # counters updated by workers
-        self._c = collections.Counter()
+        self._c: collections.Counter = collections.Counter()
         self._latencies: collections.deque = collections.deque(maxlen=_LATENCIES)
         self._closed = False
 
@@ -254,8 +254,12 @@ class ClusterTier:
     def _finish(self, w: "_Waiting") -> None:
         """All fetches ``w`` waited for are done: pin its leading run, answer it."""
         more: list = []
-        if getattr(w.conn, "tenant", None) is w.tenant and _open(w.conn):
-            more = w.tenant.pool.acquire(w.keys, w.sizes, w.conn.id, count=False)
+        conn: Any = w.conn
+        tenant: Any = w.tenant
+        pool: Pool = tenant.pool
+        if getattr(conn, "tenant", None) is tenant and _open(conn):
+            more = pool.acquire(w.keys, w.sizes, conn.id, count=False)
+            conn.pins += len(more)  # the daemon's per-connection pin limit counts them
         self._answer_pins(w.conn, w.rid, w.pins + more)
 
     def _answer_pins(self, conn: Any, rid: int, pins: Sequence[Any]) -> None:
@@ -341,7 +345,7 @@ class ClusterTier:
         def then(ok: list[bool]) -> None:
             if getattr(conn, "tenant", None) is tenant and _open(conn):
                 pool.unlease(offsets, sizes, conn.id)
-                lease = self._lease(pool, conn.id) if want_lease else (0, 0)
+                lease = self._lease(pool, conn) if want_lease else (0, 0)
                 self._reply(conn, m.Stored, rid, ok, *lease)
 
         self._send(tenant, keys, views, self._deadline(budget_ms), then)
@@ -365,18 +369,19 @@ class ClusterTier:
             return False
         pool: Pool = tenant.pool
         through = [i for i, e in enumerate(entries) if e is not None and not e[3]]
+        sends = [entries[i] for i in through]  # (key, offset, size, write_rcache)
         local = [i for i in range(len(tokens)) if i not in set(through)]
         ok = [False] * len(tokens)
         for i, good in zip(local, pool.commit([tokens[i] for i in local], conn.id)):
             ok[i] = good
-        behind = [entries[i] for i in local if ok[i] and entries[i] is not None]
+        behind = [e for i in local if ok[i] and (e := entries[i]) is not None]
         if behind:
             self.write_behind(tenant, [e[0] for e in behind], [e[2] for e in behind])
         if not through:
             self._reply(conn, m.Committed, rid, ok)
             return True
         memory = self._memory(tenant)
-        views = [memory[entries[i][1]:entries[i][1] + entries[i][2]] for i in through]
+        views = [memory[e[1]:e[1] + e[2]] for e in sends if e is not None]
 
         def then(sent: list[bool]) -> None:
             pool.abort([tokens[i] for i in through], conn.id)  # no local copy kept
@@ -384,8 +389,8 @@ class ClusterTier:
                 ok[i] = good
             self._reply(conn, m.Committed, rid, ok)
 
-        self._send(tenant, [entries[i][0] for i in through], views, self._deadline(budget_ms),
-                   then)
+        self._send(tenant, [e[0] for e in sends if e is not None], views,
+                   self._deadline(budget_ms), then)
         return True
 
     def forget(self, conn: Any, tokens: Sequence[int] = ()) -> None:
@@ -465,7 +470,7 @@ def _open(conn: Any) -> bool:
 
 
 def start(config: Any, wake: Callable[[], None], reply: Callable[..., None],
-          lease: Callable[[Pool, int], tuple[int, int]]) -> ClusterTier:
+          lease: Callable[[Pool, Any], tuple[int, int]]) -> ClusterTier:
     """The tier of a daemon's ``config`` (``cluster`` set); raises ``DaemonError``-worthy
     RuntimeError when it cannot run (the checksum package missing)."""
     from ems.cluster.topology import parse_url

@@ -1,4 +1,6 @@
-"""``ems-server stats``: the daemon's counters as a table, or as JSON (``--json``).
+"""``ems stats`` / ``ems-server stats``: the daemon's counters as a table, or as JSON
+(``--json``). A client of the daemon (outside ``ems.server``, which never imports the
+client).
 
 It opens an admin session, which the daemon grants without credentials to its own
 user and to root (it checks the peer's uid) and which sees every tenant. Tenants read
@@ -43,6 +45,12 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{100 * t['hit_rate']:.1f}%", str(t["evictions"]),
                      str(t["expired_reservations"]), str(t["connections"])))
     lines += _table(rows)
+    refused = srv.get("refused") or {}
+    if refused:
+        lines.append("refused by limits: " + ", ".join(
+            f"{name} {count}" for name, count in sorted(refused.items())))
+    if srv.get("accepting") is False:
+        lines.append("not accepting connections now (out of file descriptors; backing off)")
     cluster = report.get("cluster")
     if cluster:
         lines += _cluster_lines(report, cluster)
@@ -62,8 +70,9 @@ def _cluster_lines(report: dict[str, Any], cluster: dict[str, Any]) -> list[str]
     misses = sum(r["misses"] for r in report["tenants"].values())
     lines = [f"cluster {','.join(cluster['seeds'])} ({'TLS' if cluster['tls'] else 'TCP'}): "
              f"{cluster['state']}; redirects {cluster.get('redirects', {})}"]
-    rows = [("tier", "lookups", "hits", "misses", "hit rate", "bytes in", "bytes out",
-             "p50 ms", "p99 ms", "write-behind")]
+    rows: list[tuple[str, ...]] = [("tier", "lookups", "hits", "misses", "hit rate",
+                                    "bytes in", "bytes out", "p50 ms", "p99 ms",
+                                    "write-behind")]
     rows.append(("local", str(hits + misses), str(hits), str(misses),
                  f"{100 * hits / max(1, hits + misses):.1f}%", "-", "-", "-", "-", "-"))
     rows.append(("cluster", str(t["lookups"]), str(t["hits"]), str(t["misses"]),
