@@ -428,3 +428,14 @@ def test_a_password_protected_cluster_needs_the_daemons_password(make_cluster, m
         with open(f"/proc/{n.pid}/cmdline", "rb") as f:
             assert pw.encode() not in f.read()
     assert isinstance(launcher.call(c.nodes[0].port, "PING"), ErrorReply)  # NOAUTH
+
+
+def test_past_the_write_behind_bound_a_save_stays_local_and_is_counted(shared_cluster,
+                                                                       make_host):
+    a = make_host(shared_cluster.seed, extra_args=("--cluster-write-behind", "1"))
+    b = make_host(shared_cluster.seed)
+    assert save(a, ["wb-bound-1", "wb-bound-2"], SIZE) == 2  # local: the call succeeds
+    assert load(a, ["wb-bound-1", "wb-bound-2"], SIZE, opt(read_local_only=True)) == (2, 0)
+    tier = a.report()["cluster"]["tier"]
+    assert tier["write_behind_dropped"] == 2 and tier["writes"] == 0
+    assert load(b, ["wb-bound-1"], SIZE) == (0, 0)  # never reached the cluster

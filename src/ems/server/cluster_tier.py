@@ -82,6 +82,7 @@ SEND_OWNER = ("ems-cluster", "send")
 #: Share of a request's remaining time given to its cluster batch.
 BUDGET_SHARE = 0.8
 _LATENCIES = 512  # recent batch latencies kept for the percentiles of the report
+_WARN_EVERY_S = 10.0  # a repeated warning is logged at most this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,7 @@ class ClusterTier:
         # expire that reservation and give its space to another key.
         self._max_batch_s = min(settings.op_timeout_s, reservation_ttl_s / 2)
         self._pending_bytes = 0
+        self._dropped_logged_at = -_WARN_EVERY_S
         self._lock = threading.Lock()  # counters updated by workers
         self._c: collections.Counter = collections.Counter()
         self._latencies: collections.deque = collections.deque(maxlen=_LATENCIES)
@@ -293,6 +295,13 @@ class ClusterTier:
         total = sum(sizes)
         if self._pending_bytes + total > self._write_behind_limit:
             self._count(write_behind_dropped=len(keys))
+            now = time.monotonic()
+            if now - self._dropped_logged_at > _WARN_EVERY_S:
+                self._dropped_logged_at = now
+                logger.warning("ems cluster: write-behind bound reached (%d bytes in flight, "
+                               "bound %d, --cluster-write-behind): saves stay local only "
+                               "until it drains (counted as write_behind_dropped)",
+                               self._pending_bytes, self._write_behind_limit)
             return
         pins = []
         for k, s in zip(keys, sizes):
