@@ -100,6 +100,8 @@ class PoolStatistics:
     refused_too_large: int = 0
     #: the arena (the tenant's memory); ``capacity_bytes`` is the usage limit within it
     arena_bytes: int = 0
+    #: connections holding a lease
+    leases: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -432,6 +434,7 @@ class Pool:
             refused_full=self._refused_full,
             refused_too_large=self._refused_too_large,
             arena_bytes=self.allocator.capacity_bytes,
+            leases=len(self._leases),
         )
 
     def set_capacity(self, capacity_bytes: int) -> int:
