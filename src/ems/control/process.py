@@ -7,38 +7,16 @@ state in ``directory`` and always stops it (by its PID) when the block ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["ControlProcess", "http_json", "run_control"]
+from ems.control.client import http_json
 
-
-def http_json(method: str, url: str, token: Optional[str] = None, body: Any = None,
-              timeout_s: float = 5.0) -> tuple[int, Any]:
-    """(status, decoded JSON or None) of one request; HTTP errors are answers too."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            raw = resp.read()
-            return resp.status, (json.loads(raw) if raw else None)
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw) if raw else None
-        except ValueError:
-            return exc.code, raw.decode(errors="replace")
+__all__ = ["ControlProcess", "run_control"]
 
 
 class ControlProcess:
