@@ -99,25 +99,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(config.log_level)
     registry = TenantRegistry(specs, config.reservation_ttl_s)
     daemon = Daemon(config, registry)
-    try:
-        daemon.start()
-    except DaemonError as exc:
-        registry.close()
-        logger.error("%s", exc)
-        return 1
-    extras = []  # the threads beside the loop, stopped after it
-    try:
+    extras: list = []  # the threads beside the loop (control sync, metrics), stopped after it
+    try:  # before the socket: a bad token file or a busy metrics port stops the start
+        sync = None
         if config.control:
-            extras.append(ControlSync(config, daemon).start())
+            sync = ControlSync(config, daemon)
         if config.metrics_addr:
             from ems.server.metrics import MetricsExporter
             extras.append(MetricsExporter(config.metrics_addr, daemon).start())
     except EmsException as exc:
         for extra in extras:
             extra.stop()
-        daemon.close()
+        registry.close()
         print(f"ems-server: bad configuration: {exc.message()}", file=sys.stderr)
         return 2
+    try:
+        daemon.start()
+    except DaemonError as exc:
+        for extra in extras:
+            extra.stop()
+        registry.close()
+        logger.error("%s", exc)
+        return 1
+    if sync is not None:  # after the wake socket exists: it hands plans to the loop
+        extras.append(sync.start())
     names = [s.name for s in specs]
     mode = (f"from {config.control}{' + anonymous' if names else ''}" if config.control else
             "anonymous only" if names == [ANONYMOUS] else
