@@ -119,19 +119,27 @@ function render(data) {
   $("#updated").textContent = new Date().toLocaleTimeString();
 }
 
+let refused = false;  // the last token was refused: say so until another is given
+
 async function refresh() {
   const tok = token();
-  if (!tok) { $("#login").hidden = false; setState("error", "admin token needed"); return; }
+  if (!tok) {
+    $("#login").hidden = false;
+    if (!refused) setState("error", "admin token needed");
+    return;
+  }
   try {
     const resp = await fetch("/v1/hosts", { headers: { Authorization: "Bearer " + tok } });
     if (resp.status === 401) {
       sessionStorage.removeItem("ems-token");
+      refused = true;
       $("#login").hidden = false;
       setState("error", "token refused");
       return;
     }
     if (!resp.ok) throw new Error("HTTP " + resp.status);
     render(await resp.json());
+    refused = false;
     $("#login").hidden = true;
     setState("ok", "live");
   } catch (err) {
