@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -17,24 +15,6 @@ from ems.testing import run_server
 
 #: the registry poll of the daemons in these tests (the default is 1.0 s)
 POLL_S = "0.5"
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
-             interval_s: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something true; return that."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ daemon started before its control plane serves once the control plane is up."""
 from __future__ import annotations
 
 import pytest
-from conftest import wait_for
+from control_support import wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.control.config import ControlConfig

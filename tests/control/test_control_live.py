@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import wait_for
+from control_support import wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.errors import EmsErrorCode, EmsException

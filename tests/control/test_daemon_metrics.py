@@ -6,7 +6,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from conftest import free_port, wait_for
+from control_support import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ems.client.remote import RemoteTransport

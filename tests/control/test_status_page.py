@@ -12,7 +12,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import wait_for
+from control_support import wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.futures import Task
