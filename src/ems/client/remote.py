@@ -38,8 +38,8 @@ Losing the daemon (it died, or restarted)::
   a request made while the daemon cannot be reached;
 * the next call (or ``Ems.check_health()``, which tries with a short timeout)
   reconnects by itself and authenticates again; the process never has to call
-  ``Ems.init`` again, so ``EMS_RECOVERD_ERROR`` is never raised (clients that re-init
-  on it keep working: a second ``Ems.init`` with the same config returns at once);
+  ``Ems.init`` again (``EMS_RECOVERD_ERROR`` is raised only by an ``Ems.init`` that
+  finds no daemon yet; a second ``Ems.init`` with the same config returns at once);
 * reservations and pins belong to a connection: tokens of a broken connection are
   never sent on its successor (a commit of them raises ``EMS_IO_ERROR``), and the
   daemon dropped what that connection held;
@@ -127,8 +127,8 @@ class RemoteTransport(Transport):
     @classmethod
     def connect(cls, sock_path: str, access_id: Optional[str], access_key: Optional[str],
                 timeout_s: float, spin_s: float = 0.0) -> "RemoteTransport":
-        """Connect and authenticate within ``timeout_s``; raises ``EMS_UNAVAILABLE`` (no
-        daemon answers), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
+        """Connect and authenticate within ``timeout_s``; raises ``EMS_RECOVERD_ERROR``
+        (no daemon answers yet), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
         ``EMS_PROTOCOL_ERROR``."""
         session = _Session.open(sock_path, access_id, access_key, timeout_s, gen=1)
         return cls(sock_path, access_id, access_key, timeout_s, session, spin_s)

@@ -33,7 +33,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import FrameDecoder, auth_mac, encode, encode_wire
 from ems.protocol import messages as m
 
-__all__ = ["LIVENESS_S"]
+__all__ = ["LIVENESS_S", "probe"]
 
 _monotonic = time.monotonic
 
@@ -55,6 +55,39 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux; elsewhere POLLHUP st
 
 def _io_error(message: str) -> EmsException:
     return EmsException(EmsErrorCode.EMS_IO_ERROR, message)
+
+
+def _not_yet(message: str) -> EmsException:
+    """The daemon cannot be reached *yet*: a later ``Ems.init`` may succeed."""
+    return EmsException(EmsErrorCode.EMS_RECOVERD_ERROR, message)
+
+
+def probe(path: str, timeout_s: float) -> bool:
+    """Whether a daemon answers on ``path`` within ``timeout_s`` (a Ping before any
+    handshake, which the daemon answers in its HELLO phase). Never raises."""
+    deadline = time.monotonic() + timeout_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(max(timeout_s, 0.001))
+        sock.connect(path)
+        sock.sendall(encode(m.Ping(1)))
+        decoder = FrameDecoder(4096)
+        while True:
+            msg = decoder.next_message()
+            if msg is not None:
+                return isinstance(msg, m.Pong)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            sock.settimeout(remaining)
+            data = sock.recv(4096)
+            if not data:
+                return False
+            decoder.feed(data)
+    except (OSError, EmsException):
+        return False
+    finally:
+        sock.close()
 
 
 def _bad_reply(message: str) -> EmsException:
@@ -155,20 +188,16 @@ class _Session:
             try:
                 sock.connect(path)
             except FileNotFoundError:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"no ems-server socket at {path}; start ems-server or "
-                                   f"set EMS_SOCKET_DIR") from None
+                raise _not_yet(f"no ems-server socket at {path} (start ems-server, or set "
+                               f"EMS_SOCKET_DIR)") from None
             except ConnectionRefusedError:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"nothing listens on {path} (a stale socket: "
-                                   f"ems-server is not running)") from None
+                raise _not_yet(f"nothing listens on {path} (a stale socket: ems-server is "
+                               f"not running)") from None
             except socket.timeout:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"ems-server at {path} did not accept within "
-                                   f"{timeout_s:.1f} s") from None
+                raise _not_yet(f"ems-server at {path} did not accept within "
+                               f"{timeout_s:.1f} s") from None
             except OSError as exc:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"cannot connect to {path}: {exc}") from exc
+                raise _not_yet(f"cannot connect to {path}: {exc}") from exc
             decoder = FrameDecoder()
             sock.sendall(encode(m.Hello(access_id, admin)))
             msg = cls._handshake_reply(sock, decoder, fds, deadline, path, timeout_s)
@@ -208,9 +237,8 @@ class _Session:
                 return msg
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"ems-server at {path} did not answer within "
-                                   f"{timeout_s:.1f} s")
+                raise _not_yet(f"ems-server at {path} did not answer within "
+                               f"{timeout_s:.1f} s")
             sock.settimeout(remaining)
             try:
                 data, got, flags, _ = socket.recv_fds(sock, 1 << 16, 4)

@@ -64,7 +64,7 @@ from ems.errors import EmsException, invalid
 __all__ = ["ANONYMOUS", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
            "read_toml", "resolve_quotas"]
 
-ANONYMOUS = "(anonymous)"  # display name; not a valid access_id, so it cannot clash
+ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
@@ -279,6 +279,9 @@ def _from_file(path: str) -> dict[str, Any]:
 
 
 def _check_id(ident: str, where: str) -> None:
+    if ident == ANONYMOUS:
+        raise invalid(f"{where}: {ident!r} is the anonymous namespace's display name and "
+                      f"cannot be a tenant's access_id")
     try:
         validate_ems_config(EmsConfig(access_id=ident, access_key="A" * 32))
     except EmsException as exc:
@@ -328,6 +331,7 @@ def load_tenants(path: str) -> dict[str, str]:
                       f"access_id = \"access_key\" (unknown: {', '.join(unknown) or '-'})")
     tenants: dict[str, str] = {}
     for ident, key in data.get("tenants", {}).items():
+        _check_id(ident, f"tenants file {path}")
         try:
             validate_ems_config(EmsConfig(access_id=ident, access_key=key))
         except EmsException as exc:

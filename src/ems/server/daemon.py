@@ -466,7 +466,11 @@ class Daemon:
 
     # ------------------------------------------------------------ messages
     def _handle(self, conn: _Conn, msg: m.Message) -> None:
-        if conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
+        if conn.phase is _Phase.HELLO and isinstance(msg, m.Ping):
+            # A liveness probe before any handshake (``Ems.check_health()`` before a
+            # successful init): answered, and the connection stays in HELLO.
+            self._send(conn, m.Pong(msg.rid))
+        elif conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
             self._hello(conn, msg)
         elif conn.phase is _Phase.AUTH and isinstance(msg, m.Auth):
             self._auth(conn, msg)
