@@ -62,7 +62,8 @@ def test_tenant_key_and_quota_lifecycle(control):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"access_id": "Bad Id!"}, "access_id"),
+    ({"access_id": "bad\nid"}, "access_id"),
+    ({"access_id": "org/keys"}, "access_id"),               # names a sub-resource
     ({"access_id": ""}, "access_id"),
     ({"access_id": "x" * 600}, "access_id"),
     ({"access_id": "ok", "quota": "12Q"}, "quota"),
@@ -74,6 +75,17 @@ def test_bad_input_is_refused_with_the_field_named_and_changes_nothing(control, 
     assert status == 400 and field in data["detail"], data
     assert data["code"] == "EMS_INVALID_ARGUMENT"
     assert control.call("GET", "/v1/tenants")[1] == []
+
+
+def test_ids_of_real_deployments_work_in_paths(control):
+    ident = "org/Model-7B:v2@svc"  # '/', ':', '@' and upper case: the SDK's rule
+    assert control.call("POST", "/v1/tenants", {"access_id": ident})[0] == 201
+    status, key = control.call("POST", f"/v1/tenants/{ident}/keys")
+    assert status == 201 and key["access_id"] == ident
+    assert control.call("GET", f"/v1/tenants/{ident}")[1]["active_keys"] == 1
+    assert control.call("PUT", f"/v1/tenants/{ident}/quota", {"quota": "1G"})[0] == 200
+    assert control.call("DELETE", f"/v1/tenants/{ident}/keys/{key['key_id']}")[0] == 200
+    assert control.call("DELETE", f"/v1/tenants/{ident}")[0] == 200
 
 
 def test_key_length_out_of_range_is_refused(control):

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk_client.py")
 SIZE = 64 << 10
+IDENT = "org/Team-A:v2@svc"  # an id of a real deployment (the SDK's rule)
 
 
 def sdk(server, access_id: str, access_key: str, keys: list[str]) -> dict:
@@ -73,22 +74,22 @@ def two(control, daemons):
 def test_a_tenant_created_over_rest_connects_through_the_sdk_on_both(two):
     control, hosts = two
     t0 = time.monotonic()
-    status, t = control.call("POST", "/v1/tenants", {"access_id": "team-a", "quota": "16M",
+    status, t = control.call("POST", "/v1/tenants", {"access_id": IDENT, "quota": "16M",
                                                      "issue_key": True})
     assert status == 201
     key = t["key"]["access_key"]
     for server in hosts:
-        wait_for(lambda s=server: accepts(s, "team-a", key), 5.0, "the new tenant")
+        wait_for(lambda s=server: accepts(s, IDENT, key), 5.0, "the new tenant")
     elapsed = time.monotonic() - t0
     print(f"\nnew tenant accepted by both daemons {elapsed:.2f} s after POST")
     assert elapsed < 5.0
     for server in hosts:
-        assert sdk(server, "team-a", key, ["p0", "p1", "p2"]) == {
+        assert sdk(server, IDENT, key, ["p0", "p1", "p2"]) == {
             "saved": 3, "loaded": 3, "wrong": 0}
-        row = tenant_row(server, "team-a")
+        row = tenant_row(server, IDENT)
         assert row["capacity_bytes"] == 16 << 20 and row["objects"] == 3
         assert row["source"] == "control"
-    refused = sdk(hosts[0], "team-a", "Z" * 64, ["p0"])  # a wrong key
+    refused = sdk(hosts[0], IDENT, "Z" * 64, ["p0"])  # a wrong key
     assert refused["error"] == "EMS_AUTH_FAILED"
 
 
