@@ -71,21 +71,21 @@ def main(argv=None) -> int:
             t0 = time.monotonic()
             key, kid = t["key"]["access_key"], t["key"]["key_id"]
             results["new tenant"].append(max(
-                _until(lambda s=s: _accepts(s, ident, key)) for s in hosts) - t0)
+                _until(lambda s=s, i=ident, k=key: _accepts(s, i, k)) for s in hosts) - t0)
             live = [RemoteTransport.connect(s.socket_path, ident, key, 3.0) for s in hosts]
             control.call("DELETE", f"/v1/tenants/{ident}/keys/{kid}")
             t0 = time.monotonic()
             results["revoked key"].append(max(
-                _until(lambda s=s: not _accepts(s, ident, key)) for s in hosts) - t0)
+                _until(lambda s=s, i=ident, k=key: not _accepts(s, i, k)) for s in hosts) - t0)
             results["live session closed"].append(max(_until(
-                lambda s=s: s.stats()["tenants"][ident]["connections"] == 0)
+                lambda s=s, i=ident: s.stats()["tenants"][i]["connections"] == 0)
                 for s in hosts) - t0)
             for t in live:
                 t.close()
             control.call("PUT", f"/v1/tenants/{ident}/quota", {"quota": "8M"})
             t0 = time.monotonic()
             results["quota"].append(max(_until(
-                lambda s=s: s.stats()["tenants"][ident]["capacity_bytes"] == 8 << 20)
+                lambda s=s, i=ident: s.stats()["tenants"][i]["capacity_bytes"] == 8 << 20)
                 for s in hosts) - t0)
             control.call("DELETE", f"/v1/tenants/{ident}")
     print(f"registry changes reaching 2 daemons (poll {args.poll_s} s, {args.rounds} rounds), "

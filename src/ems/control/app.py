@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import json
 import logging
 import os
 import time
@@ -268,7 +269,6 @@ def create_app(service: Service) -> FastAPI:
         if len(body) > _MAX_REPORT_BYTES:
             raise invalid(f"report of {len(body)} bytes, more than {_MAX_REPORT_BYTES}")
         try:
-            import json
             data = json.loads(body)
         except ValueError:
             raise invalid("report must be a JSON object") from None
