@@ -234,3 +234,26 @@ def test_a_tenant_that_does_not_fit_is_refused_on_that_daemon_only(control, daem
                                control.call("GET", "/v1/hosts")[1]["hosts"]
                                if "small" in h["host"]}.get("small"), 5.0, "a report")
     assert "team-big" in report["control"]["refused"]
+
+
+def test_a_daemon_restarted_while_the_control_plane_is_down_serves_from_its_cache(
+        control, daemons, tmp_path):
+    cache = str(tmp_path / "registry.cache")
+    server = daemons.start(control, "cached", extra=("--control-cache", cache))
+    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-c", "quota": "8M",
+                                                "issue_key": True})
+    key = t["key"]["access_key"]
+    wait_for(lambda: accepts(server, "team-c", key), 5.0, "the tenant")
+    wait_for(lambda: os.path.exists(cache), 2.0, "the cache")
+    assert os.stat(cache).st_mode & 0o777 == 0o600
+    with open(cache, "rb") as f:
+        assert key.encode() not in f.read()  # sealed under the daemon token
+    control.stop()
+    server.restart()
+    wait_for(lambda: "from " + cache in server.log(), 5.0, "the cache to be used")
+    assert accepts(server, "team-c", key)
+    assert not accepts(server, "team-c", "Q" * 64)
+    os.chmod(cache, 0o644)  # a cache others can read is not used
+    server.restart()
+    wait_for(lambda: "mode 0644, not 0600" in server.log(), 5.0, "the refusal")
+    assert not accepts(server, "team-c", key)

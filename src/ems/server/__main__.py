@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="file of the daemon token of ems-control (env EMS_CONTROL_TOKEN_FILE)")
     p.add_argument("--control-poll-s", dest="control_poll_s", type=float,
                    help="fetch the registry this often (default 1.0 s)")
+    p.add_argument("--control-cache", dest="control_cache",
+                   help="keep the last registry in this file (0600) for a restart while the "
+                        "control plane is down (default: memory only)")
     p.add_argument("--host-name", dest="host_name",
                    help="this daemon's name on the control plane (default hostname:socket_dir)")
     p.add_argument("--metrics-addr", dest="metrics_addr",

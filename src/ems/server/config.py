@@ -18,6 +18,7 @@ busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SER
 control plane URL      ``--control``           ``control``             ``EMS_CONTROL``
 its daemon token file  ``--control-token-file`` ``control_token_file`` ``EMS_CONTROL_TOKEN_FILE``
 registry poll period   ``--control-poll-s``    ``control_poll_s``      -
+last registry on disk  ``--control-cache``     ``control_cache``       -
 host name reported     ``--host-name``         ``host_name``           ``EMS_HOST_NAME``
 Prometheus exporter    ``--metrics-addr``      ``metrics_addr``        ``EMS_METRICS_ADDR``
 =====================  ======================  ======================  ====================
@@ -68,7 +69,7 @@ ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
-              "control", "control_token_file", "control_poll_s", "host_name",
+              "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
               "metrics_addr"}
 
 
@@ -103,6 +104,9 @@ class ServerConfig:
     control_token_file: Optional[str] = None
     #: fetch the registry (and report) this often, seconds
     control_poll_s: float = 1.0
+    #: file (0600) keeping the last registry (keys sealed by the daemon token) for a
+    #: restart while the control plane is down; None: memory only
+    control_cache: Optional[str] = None
     #: this daemon's name on the control plane (default: hostname:socket_dir)
     host_name: Optional[str] = None
     #: ``HOST:PORT`` of the Prometheus exporter; None: off
@@ -205,7 +209,8 @@ class ServerConfig:
             kw["log_level"] = _str(v["log_level"], "log_level").upper()
         if "spin_us" in v:
             kw["spin_us"] = v["spin_us"]
-        for key in ("control", "control_token_file", "host_name", "metrics_addr"):
+        for key in ("control", "control_token_file", "control_cache", "host_name",
+                    "metrics_addr"):
             if key in v:
                 kw[key] = _str(v[key], key)
         if "control_poll_s" in v:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -147,9 +148,13 @@ class ControlSync:
 
     def _run(self) -> None:
         period = self.config.control_poll_s
+        first = True
         while not self._stop.is_set():
             started = time.monotonic()
             self._poll()
+            if first and not self.reachable and self.config.control_cache:
+                self._from_cache()
+            first = False
             if not self._stop.is_set():
                 self._report()
             self._stop.wait(max(0.0, period - (time.monotonic() - started)))
@@ -181,14 +186,50 @@ class ControlSync:
             logger.info("ems-server: control plane %s reachable (revision %d)", self.url,
                         revision)
         self.reachable = True
-        if revision == self._seen_revision:
-            return
-        plan = self._plan(revision, tenants)
+        if revision != self._seen_revision:
+            self._hand_over(self._plan(revision, tenants))
+            if self.config.control_cache:
+                try:
+                    self._write_cache(data)
+                except OSError as exc:
+                    logger.error("ems-server: cannot write control_cache %s: %s",
+                                 self.config.control_cache, exc.strerror)
+
+    def _hand_over(self, plan: Plan) -> None:
         with self._lock:
             self._pending = plan
             self._applied.clear()
-        self._seen_revision = revision
+        self._seen_revision = plan.revision
         self.daemon.wake()
+
+    def _write_cache(self, data: Any) -> None:
+        path = self.config.control_cache
+        assert path is not None
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    def _from_cache(self) -> None:
+        """The control plane did not answer the first fetch: serve the cached registry."""
+        path = self.config.control_cache
+        assert path is not None
+        try:
+            st = os.stat(path)
+            if st.st_mode & 0o077:
+                raise ValueError(f"mode {st.st_mode & 0o777:04o}, not 0600")
+            with open(path) as f:
+                revision, tenants = self._decode(json.load(f))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, EmsException) as exc:
+            logger.error("ems-server: control_cache %s not used: %s", path, _why(exc))
+            return
+        logger.warning("ems-server: serving the registry of revision %d from %s until the "
+                       "control plane answers", revision, path)
+        self._hand_over(self._plan(revision, tenants))
 
     def _decode(self, data: Any) -> tuple[int, dict[str, tuple[int, dict[str, str]]]]:
         if not isinstance(data, dict) or not isinstance(data.get("revision"), int) or \
