@@ -92,6 +92,17 @@ def test_a_tenant_created_over_rest_connects_through_the_sdk_on_both(two):
     refused = sdk(hosts[0], IDENT, "Z" * 64, ["p0"])  # a wrong key
     assert refused["error"] == "EMS_AUTH_FAILED"
 
+    def pool_rows():  # the pool state per host and tenant, as the daemons reported it
+        rows = [r for r in control.call("GET", "/v1/pool")[1] if r["tenant"] == IDENT]
+        return rows if len(rows) == 2 and all(r["objects"] == 3 for r in rows) else None
+    rows = wait_for(pool_rows, 5.0, "both daemons' reports")
+    assert sorted(r["host"] for r in rows) == ["host-1", "host-2"]
+    for r in rows:
+        assert r["capacity_bytes"] == 16 << 20 and r["used_bytes"] > 0
+        assert r["tiers"]["local"]["hits"] == 3 and r["tiers"]["local"]["hit_rate"] == 1.0
+    assert control.call("DELETE", "/v1/hosts/host-2")[0] == 200  # a host gone for good
+    assert control.call("GET", "/v1/hosts/host-1")[0] == 200
+
 
 def test_a_revoked_key_is_refused_on_both_within_5_s_and_its_sessions_close(two):
     control, hosts = two

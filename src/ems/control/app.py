@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 _MAX_REPORT_BYTES = 1 << 20
+_POOL_FIELDS = ("quota_bytes", "capacity_bytes", "arena_bytes", "used_bytes", "objects",
+                "connections", "hits", "misses", "miss_absent", "miss_size_mismatch",
+                "miss_pending", "evictions")
 
 
 class TenantIn(BaseModel):
@@ -247,6 +250,24 @@ def create_app(service: Service) -> FastAPI:
         """Pool state per host and tenant, as each daemon last reported it."""
         return {"revision": service.db.revision(), "tenants": service.db.tenants(),
                 "hosts": service.hosts()}
+
+    @app.get("/v1/pool", dependencies=a, tags=["state"])
+    def pool_state() -> list[dict[str, Any]]:
+        """One row per host and tenant: capacity, used, objects, hit rates per tier."""
+        rows = []
+        for h in service.hosts():
+            for name, t in sorted(h["report"].get("tenants", {}).items()):
+                rows.append({"host": h["host"], "tenant": name, "age_s": h["age_s"],
+                             **{k: t.get(k) for k in _POOL_FIELDS},
+                             "tiers": t.get("tiers", {})})
+        return rows
+
+    @app.delete("/v1/hosts/{host:path}", dependencies=a, tags=["state"])
+    def forget_host(host: str) -> dict[str, Any]:
+        """Forget a host's report (a daemon that is gone for good)."""
+        if not service.db.delete_report(host):
+            raise NotFound(f"no report from host {host!r}")
+        return {"host": host, "deleted": True}
 
     @app.get("/v1/hosts/{host:path}", dependencies=a, tags=["state"])
     def show_host(host: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 from typing import Any, Callable, Optional, Sequence
@@ -83,6 +84,12 @@ def _size(n: Optional[int]) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     raise AssertionError
+
+
+def _when(t: Optional[float]) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + "Z"
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -186,8 +193,9 @@ def _keys(p: argparse.ArgumentParser) -> None:
 def _keys_table(keys: list[dict[str, Any]]) -> str:
     if not keys:
         return "no keys"
-    rows = [("key_id", "state")]
-    rows += [(k["key_id"], "active" if k["active"] else "revoked") for k in keys]
+    rows = [("key_id", "state", "created", "revoked")]
+    rows += [(k["key_id"], "active" if k["active"] else "revoked", _when(k["created_at"]),
+              _when(k["revoked_at"])) for k in keys]
     return _table(rows)
 
 

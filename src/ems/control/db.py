@@ -272,6 +272,10 @@ class Database:
                              "SET report = excluded.report, reported_at = excluded.reported_at",
                              (host, text, time.time()))
 
+    def delete_report(self, host: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM hosts WHERE host = ?", (host,)).rowcount > 0
+
     def reports(self) -> list[dict[str, Any]]:
         rows = self._read("SELECT host, report, reported_at FROM hosts ORDER BY host")
         return [{"host": h, "reported_at": at, "report": json.loads(r)} for h, r, at in rows]
