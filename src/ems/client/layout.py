@@ -406,36 +406,42 @@ class V1Mover:
         n_obj = len(self.sizes)
         synced = set()
         for seg, objs, offs in by_segment.values():
-            obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
-            obj_t = torch.tensor(objs, dtype=torch.int64)
-            obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
-            everything = len(objs) == n_obj
-            selected: dict[int, tuple[Any, Any, Any, Any]] = {}
-            for ti, info in enumerate(self.layout.tensors):
-                task.checkpoint()
-                tok = self.tokens[info.group]
-                sel = selected.get(id(tok))
-                if sel is None:
-                    sel = self._select(tok, obj_off, obj_t, everything)
-                    selected[id(tok)] = sel
-                slots, tobj, pos, blk_objs = sel
-                unit = self.layout.unit
-                if info.host and native.available():
-                    self._native_copy(seg, info, ti, tok, obj_off, sel, save)
-                elif tok.block_ids is not None and info.blocks is not None:
-                    dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
-                    width = info.blocks.shape[1]
-                    window = seg.window(self.layout.dtype, width)
-                    index = tok.block_ids[blk_objs]
-                    self._copy_rows(info.blocks, index, window, dest, save)
-                else:
-                    dest = (obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes) // unit
-                    window = seg.window(self.layout.dtype, info.width)
-                    self._copy_tokens(info, slots, window, dest, save)
-                if info.t3.device.type == "cuda" and not save:
-                    synced.add(info.t3.device)
+            with seg.use():
+                self._move_segment(seg, objs, offs, n_obj, task, save, synced)
         for device in synced:  # every byte is in the caller's cache before we return
             torch.cuda.synchronize(device)
+
+    def _move_segment(self, seg: Segment, objs: list[int], offs: list[int], n_obj: int,
+                      task: Task, save: bool, synced: set) -> None:
+        torch = self._torch
+        obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
+        obj_t = torch.tensor(objs, dtype=torch.int64)
+        obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
+        everything = len(objs) == n_obj
+        selected: dict[int, tuple[Any, Any, Any, Any]] = {}
+        for ti, info in enumerate(self.layout.tensors):
+            task.checkpoint()
+            tok = self.tokens[info.group]
+            sel = selected.get(id(tok))
+            if sel is None:
+                sel = self._select(tok, obj_off, obj_t, everything)
+                selected[id(tok)] = sel
+            slots, tobj, pos, blk_objs = sel
+            unit = self.layout.unit
+            if info.host and native.available():
+                self._native_copy(seg, info, ti, tok, obj_off, sel, save)
+            elif tok.block_ids is not None and info.blocks is not None:
+                dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
+                width = info.blocks.shape[1]
+                window = seg.window(self.layout.dtype, width)
+                index = tok.block_ids[blk_objs]
+                self._copy_rows(info.blocks, index, window, dest, save)
+            else:
+                dest = (obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes) // unit
+                window = seg.window(self.layout.dtype, info.width)
+                self._copy_tokens(info, slots, window, dest, save)
+            if info.t3.device.type == "cuda" and not save:
+                synced.add(info.t3.device)
 
     def _native_copy(self, seg: Segment, info: _TensorInfo, ti: int, tok: _Tokens,
                      obj_off: Any, sel: tuple[Any, Any, Any, Any], save: bool) -> None:

@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", dest="metrics_addr",
                    help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9464 "
                         "(default off; env EMS_METRICS_ADDR)")
+    p.add_argument("--limit", action="append", metavar="NAME=VALUE",
+                   help="a bound on what one client may hold or send (repeatable), e.g. "
+                        "max_keys_per_request=4096; see ems.server.config.Limits")
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p

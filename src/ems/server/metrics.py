@@ -34,6 +34,8 @@ ems_pool_leases                             tenant                  connections 
 ems_pool_evictions_total                    tenant                  LRU evictions
 ems_pool_expired_reservations_total         tenant                  reservations timed out
 ems_pool_refusals_total                     tenant, reason          full, too_large
+ems_limit_refusals_total                    limit                   refusals by limit name
+                                                                    (ServerConfig.limits)
 ems_tenant_connections                      tenant                  sessions
 ems_connections                             -                       all connections
 ems_request_duration_seconds                verb                    histogram, on the loop
@@ -122,6 +124,12 @@ class _Collector(Collector):
                                 value=srv["uptime_s"])
         yield GaugeMetricFamily("ems_connections", "open connections (all phases)",
                                 value=srv["connections"])
+        limits = CounterMetricFamily("ems_limit_refusals",
+                                     "requests and connections refused by a daemon limit",
+                                     labels=["limit"])
+        for name, n in sorted(srv.get("refused", {}).items()):
+            limits.add_metric([name], n)
+        yield limits
         tenants = report["tenants"]
         hits = CounterMetricFamily("ems_pool_hits", "lookups that hit", labels=["tenant", "tier"])
         misses = CounterMetricFamily("ems_pool_misses", "lookups that missed, by reason",

@@ -91,6 +91,12 @@ def format_report(report: dict[str, Any]) -> str:
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  ".join(cells))
+    refused = srv.get("refused") or {}
+    if refused:
+        lines.append("refused by limits: " + ", ".join(
+            f"{name} {count}" for name, count in sorted(refused.items())))
+    if srv.get("accepting") is False:
+        lines.append("not accepting connections now (out of file descriptors; backing off)")
     return "\n".join(lines)
 
 
