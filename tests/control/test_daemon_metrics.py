@@ -10,6 +10,7 @@ from control_support import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ems.client.remote import RemoteTransport
+from ems.errors import EmsException
 from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
 from ems.testing import run_server
@@ -98,8 +99,16 @@ def test_metrics_of_a_controlled_daemon(control, daemons):
 def test_metrics_of_a_standalone_daemon_and_off_by_default(tmp_path):
     port = free_port()
     with run_server(str(tmp_path), capacity="16M",
-                    extra_args=["--metrics-addr", f"127.0.0.1:{port}"]) as server:
-        fams = scrape(port)
+                    extra_args=["--metrics-addr", f"127.0.0.1:{port}",
+                                "--limit", "max_connections_per_tenant=1"]) as server:
+        first = RemoteTransport.connect(server.socket_path, None, None, 3.0)
+        try:
+            with pytest.raises(EmsException):  # over the limit: refused, and counted
+                RemoteTransport.connect(server.socket_path, None, None, 3.0)
+            fams = scrape(port)
+        finally:
+            first.close()
+        assert value(fams, "ems_limit_refusals", limit="max_connections_per_tenant") == 1
         assert value(fams, "ems_pool_capacity_bytes", tenant="(anonymous)") == 16 << 20
         assert "ems_control_reachable" not in fams
         assert f"metrics on http://127.0.0.1:{port}" in server.log()
