@@ -52,6 +52,28 @@ def test_control_service_settings(tmp_path):
     with pytest.raises(EmsException) as info:
         ControlConfig.load({"port": "http"}, {})
     assert "port" in info.value.message()
+    env = {"EMS_CONTROL_ADMIN_TOKEN": "a" * 20, "EMS_CONTROL_DAEMON_TOKEN": "d" * 20}
+    cfg = ControlConfig.load({"admin_token": "from-a-flag-is-ignored"}, env)
+    assert (cfg.admin_token, cfg.daemon_token) == ("a" * 20, "d" * 20)
+    assert "a" * 20 not in repr(cfg)
+    with pytest.raises(EmsException) as info:
+        ControlConfig.load({}, {"EMS_CONTROL_ADMIN_TOKEN": "short"})
+    assert "EMS_CONTROL_ADMIN_TOKEN" in info.value.message()
+
+
+@pytest.mark.integration
+def test_tokens_from_the_environment(tmp_path, monkeypatch):
+    from ems.control.client import http_json
+    from ems.control.process import run_control
+    monkeypatch.setenv("EMS_CONTROL_ADMIN_TOKEN", "admin-token-from-env-0123")
+    monkeypatch.setenv("EMS_CONTROL_DAEMON_TOKEN", "daemon-token-from-env-0123")
+    with run_control(str(tmp_path)) as control:
+        url = control.url + "/v1/tenants"
+        assert http_json("GET", url, "admin-token-from-env-0123")[0] == 200
+        assert http_json("GET", url, "daemon-token-from-env-0123")[0] == 401
+        assert http_json("GET", control.url + "/v1/registry",
+                         "daemon-token-from-env-0123")[0] == 200
+        assert not (tmp_path / "admin.token").exists()
 
 
 @pytest.mark.integration

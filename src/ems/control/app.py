@@ -89,9 +89,9 @@ class Service:
         except ValueError:
             raise invalid(f"master key file {config.file('master.key')} is not base64") from None
         self.sealer = Sealer(master_key)
-        self.admin_token = read_secret_file(config.file("admin.token"), "admin token file",
-                                            create=token)
-        self.daemon_token = read_secret_file(
+        self.admin_token = config.admin_token or read_secret_file(
+            config.file("admin.token"), "admin token file", create=token)
+        self.daemon_token = config.daemon_token or read_secret_file(
             config.file("daemon.token"), "daemon token file",
             create=base64.b64encode(os.urandom(32)).decode())
         if hmac.compare_digest(self.admin_token, self.daemon_token):

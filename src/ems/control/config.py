@@ -12,7 +12,12 @@ listen address         ``--host`` / ``--port``     ``EMS_CONTROL_HOST`` / ``_POR
 default quota          ``--default-quota``         ``EMS_CONTROL_DEFAULT_QUOTA``
 largest quota          ``--max-quota``             ``EMS_CONTROL_MAX_QUOTA``
 log level              ``--log-level``             ``EMS_LOG_LEVEL``
+admin token itself     -                           ``EMS_CONTROL_ADMIN_TOKEN``
+daemon token itself    -                           ``EMS_CONTROL_DAEMON_TOKEN``
 =====================  ==========================  ===============================
+
+The two tokens themselves can come from the environment instead of their files
+(never from flags, which every user sees in ``ps``); at least 16 characters each.
 
 The files default to ``control.db``, ``master.key``, ``admin.token`` and
 ``daemon.token`` in the state directory (default ``~/.local/state/ems-control``,
@@ -61,6 +66,9 @@ class ControlConfig:
     log_level: str = "INFO"
     #: write the port listened on here once listening (tests use port 0)
     port_file: Optional[str] = None
+    #: the tokens themselves (environment only); None: read from their files
+    admin_token: Optional[str] = dataclasses.field(default=None, repr=False)
+    daemon_token: Optional[str] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,6 +76,11 @@ class ControlConfig:
         if not (1 << 20) <= self.default_quota_bytes <= self.max_quota_bytes:
             raise invalid(f"default_quota must be in 1 MiB..max_quota "
                           f"({self.max_quota_bytes}), got {self.default_quota_bytes}")
+        for name in ("admin_token", "daemon_token"):
+            value = getattr(self, name)
+            if value is not None and len(value.strip()) < 16:
+                raise invalid(f"{name} (EMS_CONTROL_{name.upper()}) must have at least 16 "
+                              f"characters, got {len(value.strip())}")
         if self.log_level not in _LEVELS:
             raise invalid(f"log_level must be one of {', '.join(_LEVELS)}, got "
                           f"{self.log_level!r}")
@@ -89,9 +102,13 @@ class ControlConfig:
                          ("host", "EMS_CONTROL_HOST"), ("port", "EMS_CONTROL_PORT"),
                          ("default_quota_bytes", "EMS_CONTROL_DEFAULT_QUOTA"),
                          ("max_quota_bytes", "EMS_CONTROL_MAX_QUOTA"),
-                         ("log_level", "EMS_LOG_LEVEL"), ("port_file", None)):
+                         ("log_level", "EMS_LOG_LEVEL"), ("port_file", None),
+                         ("admin_token", "EMS_CONTROL_ADMIN_TOKEN"),
+                         ("daemon_token", "EMS_CONTROL_DAEMON_TOKEN")):
             value = flags.get(key)
-            if value is None and var is not None:
+            if key.endswith("_token"):  # never from a flag
+                value = (env.get(var) or "").strip() or None
+            elif value is None and var is not None:
                 value = env.get(var) or None
             if value is None:
                 continue

@@ -253,9 +253,6 @@ class Daemon:
             self._fail(conn, EmsException(EmsErrorCode.EMS_AUTH_FAILED, why))
         return len(doomed)
 
-    def connection_count(self) -> int:
-        return len(self._conns)
-
     def enable_request_timing(self, observe: Callable[[type, float], None]) -> None:
         """Time each request: ``observe(message class, seconds)`` after it (metrics);
         off unless called, so the loop pays nothing for it by default."""
