@@ -56,6 +56,10 @@ def test_tenant_key_and_quota_lifecycle(control):
         "quota_bytes"] is None
     status, reg = control.call("GET", "/v1/registry", token="daemon")
     assert reg["tenants"] == [{"access_id": "team-a", "quota_bytes": 256 << 20, "keys": []}]
+    rev = reg["revision"]  # a daemon that is current gets no keys again
+    assert control.call("GET", f"/v1/registry?known={rev}", token="daemon")[1] == {
+        "revision": rev, "unchanged": True}
+    assert control.call("GET", f"/v1/registry?known={rev - 1}", token="daemon")[1] == reg
     assert control.call("DELETE", "/v1/tenants/team-a")[0] == 200
     assert control.call("GET", "/v1/tenants/team-a")[0] == 404
     assert control.call("DELETE", "/v1/tenants/team-a")[0] == 404

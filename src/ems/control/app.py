@@ -280,7 +280,11 @@ def create_app(service: Service) -> FastAPI:
     d = [Depends(daemon)]
 
     @app.get("/v1/registry", dependencies=d, tags=["daemons"])
-    def registry() -> dict[str, Any]:
+    def registry(known: Optional[int] = None) -> dict[str, Any]:
+        """The registry; ``known``: the revision the daemon has, answered with
+        ``{"revision", "unchanged": true}`` while it is current (no key is unsealed)."""
+        if known is not None and known == service.db.revision():
+            return {"revision": known, "unchanged": True}
         return service.registry()
 
     @app.post("/v1/hosts/{host:path}/report", dependencies=d, status_code=204,

@@ -172,9 +172,14 @@ class ControlSync:
         # One plan at a time: the next one is built against what the loop has.
         if not self._applied.wait(self._timeout_s) or self._stop.is_set():
             return
+        known = "" if self._seen_revision is None else f"?known={self._seen_revision}"
         try:
-            data = self._request("GET", "/v1/registry")
-            revision, tenants = self._decode(data)
+            data = self._request("GET", "/v1/registry" + known)
+            if isinstance(data, dict) and data.get("unchanged") is True and \
+                    data.get("revision") == self._seen_revision:
+                revision, tenants = self._seen_revision, None
+            else:
+                revision, tenants = self._decode(data)
         except (OSError, ValueError, EmsException) as exc:
             self.fetch_errors += 1
             if self.reachable or self.fetch_errors == 1:
@@ -186,7 +191,7 @@ class ControlSync:
             logger.info("ems-server: control plane %s reachable (revision %d)", self.url,
                         revision)
         self.reachable = True
-        if revision != self._seen_revision:
+        if tenants is not None and revision != self._seen_revision:
             self._hand_over(self._plan(revision, tenants))
             if self.config.control_cache:
                 try:
