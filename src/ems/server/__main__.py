@@ -113,11 +113,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if config.metrics_addr:
             from ems.server.metrics import MetricsExporter
             extras.append(MetricsExporter(config.metrics_addr, daemon).start())
-    except EmsException as exc:
+    except (EmsException, ImportError) as exc:
         for extra in extras:
             extra.stop()
         registry.close()
-        print(f"ems-server: bad configuration: {exc.message()}", file=sys.stderr)
+        why = (exc.message() if isinstance(exc, EmsException) else
+               f"--control and --metrics-addr need {exc.name} (pip install 'ems[control]')")
+        print(f"ems-server: bad configuration: {why}", file=sys.stderr)
         return 2
     try:
         daemon.start()
