@@ -36,8 +36,9 @@ def test_a_v1_database_is_upgraded_in_place_keeping_its_rows(tmp_path):
     assert old.version() == 1
     old.create_tenant("team-a", 8 << 20)
     old.add_key("team-a", "k-1", b"sealed-bytes")
-    with pytest.raises(sqlite3.OperationalError):
+    with pytest.raises(EmsException) as info:
         old.put_report("h", {})  # no hosts table in v1
+    assert "no such table: hosts" in info.value.message()
     rev = old.revision()
     old.close()
     new = Database(path)

@@ -44,7 +44,7 @@ from ems.control.keys import (
     read_secret_file,
     transport_sealer,
 )
-from ems.errors import EmsException, invalid
+from ems.errors import EmsErrorCode, EmsException, invalid
 
 __all__ = ["Service", "create_app"]
 
@@ -185,7 +185,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(EmsException)
     async def _ems_error(_request: Request, exc: EmsException) -> JSONResponse:
-        status = 404 if isinstance(exc, NotFound) else 409 if isinstance(exc, Conflict) else 400
+        status = (404 if isinstance(exc, NotFound) else 409 if isinstance(exc, Conflict) else
+                  503 if exc.status_code() is EmsErrorCode.EMS_IO_ERROR else 400)
         return JSONResponse({"detail": exc.message(), "code": exc.status_code().name},
                             status_code=status)
 

@@ -19,12 +19,13 @@ serialises writers anyway, and the work per request is a few rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 
@@ -145,22 +146,33 @@ class Database:
             self._db.close()
 
     # ------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[sqlite3.Connection]:
+        """The connection, under the lock; SQLite errors (a full disk, a database
+        locked past the timeout) leave as EMS_IO_ERROR naming the file."""
+        with self._lock:
+            try:
+                yield self._db
+            except sqlite3.Error as exc:
+                raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                                   f"database {self.path}: {exc}") from exc
+
     def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``fn`` in a write transaction that also bumps the revision."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._locked() as db:
+            db.execute("BEGIN IMMEDIATE")
             try:
-                out = fn(self._db)
-                self._db.execute("UPDATE meta SET value = value + 1 WHERE name='revision'")
-                self._db.execute("COMMIT")
+                out = fn(db)
+                db.execute("UPDATE meta SET value = value + 1 WHERE name='revision'")
+                db.execute("COMMIT")
                 return out
             except BaseException:
-                self._db.execute("ROLLBACK")
+                db.execute("ROLLBACK")
                 raise
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        with self._locked() as db:
+            return db.execute(sql, args).fetchall()
 
     def revision(self) -> int:
         return int(self._read("SELECT value FROM meta WHERE name='revision'")[0][0])
@@ -247,18 +259,18 @@ class Database:
     def active_keys(self) -> tuple[int, list[tuple[str, Optional[int], list[tuple[str, bytes]]]]]:
         """The registry: (revision, [(access_id, quota_bytes, [(key_id, sealed)])]),
         read in one transaction so the revision matches the rows."""
-        with self._lock:
-            self._db.execute("BEGIN")
+        with self._locked() as db:
+            db.execute("BEGIN")
             try:
-                rev = int(self._db.execute(
+                rev = int(db.execute(
                     "SELECT value FROM meta WHERE name='revision'").fetchone()[0])
-                tenants = self._db.execute(
+                tenants = db.execute(
                     "SELECT access_id, quota_bytes FROM tenants ORDER BY access_id").fetchall()
-                keys = self._db.execute(
+                keys = db.execute(
                     "SELECT access_id, key_id, sealed FROM keys WHERE revoked_at IS NULL "
                     "ORDER BY created_at").fetchall()
             finally:
-                self._db.execute("COMMIT")
+                db.execute("COMMIT")
         by_tenant: dict[str, list[tuple[str, bytes]]] = {t[0]: [] for t in tenants}
         for access_id, kid, sealed in keys:
             by_tenant[access_id].append((kid, sealed))
@@ -267,14 +279,14 @@ class Database:
     # ------------------------------------------------------------ host reports
     def put_report(self, host: str, report: dict[str, Any]) -> None:
         text = json.dumps(report, sort_keys=True)
-        with self._lock:
-            self._db.execute("INSERT INTO hosts VALUES (?, ?, ?) ON CONFLICT(host) DO UPDATE "
+        with self._locked() as db:
+            db.execute("INSERT INTO hosts VALUES (?, ?, ?) ON CONFLICT(host) DO UPDATE "
                              "SET report = excluded.report, reported_at = excluded.reported_at",
                              (host, text, time.time()))
 
     def delete_report(self, host: str) -> bool:
-        with self._lock:
-            return self._db.execute("DELETE FROM hosts WHERE host = ?", (host,)).rowcount > 0
+        with self._locked() as db:
+            return db.execute("DELETE FROM hosts WHERE host = ?", (host,)).rowcount > 0
 
     def reports(self) -> list[dict[str, Any]]:
         rows = self._read("SELECT host, report, reported_at FROM hosts ORDER BY host")
