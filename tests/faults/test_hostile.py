@@ -9,6 +9,7 @@ import time
 
 import pytest
 from hostile import RawClient, fds, rss_bytes
+from itest_support import anonymous_stats, anonymous_stats_when
 
 from ems.client.remote import RemoteTransport
 from ems.protocol import HEADER, PROTOCOL_VERSION, encode
@@ -88,11 +89,13 @@ def test_connection_churn_returns_fds_and_rss_to_baseline(make_server, figures):
 
 def test_soak_several_processes_evictions_and_timeouts(make_server, workers, figures):
     """Random batches from three processes over a pool a third the size of the key
-    space, some with a 3 ms timeout: every loaded byte is the key's pattern, and no
-    byte lands in a load's buffers after it raised."""
+    space; one of them copies slower than its 8 ms deadline (timeouts mid-copy): every
+    loaded byte is the key's pattern, and no byte lands in a load's buffers after it
+    raised."""
     server = make_server(capacity="1M")
     procs = [workers.start(server, "mixed", seed=seed, rounds=10, key_space=96, size=32768,
-                           batch=6, timeout_ms=3 if seed == 2 else 20000)
+                           batch=6, **(dict(timeout_ms=8, slow_copy_ms=1) if seed == 2
+                                       else dict(timeout_ms=20000)))
              for seed in range(3)]
     results = [workers.result(p, timeout_s=120) for p in procs]
     stats = server.stats()["tenants"]["(anonymous)"]
@@ -106,4 +109,18 @@ def test_soak_several_processes_evictions_and_timeouts(make_server, workers, fig
     assert sum(r["errors"] for r in results[:2]) == 0  # the patient ones never fail
     for r in results:  # the hasty one fails only by its deadline
         assert set(r.get("codes", {})) <= {"EMS_IO_TIMEOUT"}, r
+    assert results[2]["errors"] > 0  # its deadlines did strike mid-copy
     assert sum(r["loaded"] for r in results) > 0 and stats["evictions"] > 0
+
+
+def test_client_sigkill_mid_load_gives_its_pins_back(make_server, workers):
+    server = make_server(capacity="16M")
+    keys = [f"pinned{i}" for i in range(4)]
+    assert workers.run(server, "save", keys=keys, size=65536)["success"] == 4
+    proc = workers.start(server, "slow-load", keys=keys, size=65536)
+    workers.wait_line(proc, "copying")
+    assert anonymous_stats(server)["pinned"] == 4  # pinned while it copies
+    proc.kill()
+    proc.wait()
+    anonymous_stats_when(server, lambda s: s["pinned"] == 0, 5.0, "pins given back")
+    assert workers.run(server, "load", keys=keys, size=65536) == {"success": 4, "wrong": 0}

@@ -12,7 +12,7 @@ Commands (JSON fields):
 * ``mixed``  seed, rounds, key_space, size, batch -> {"saved", "loaded", "wrong",
   "errors", "codes", "late"}: random batches of saves and loads (several in flight at
   once); ``late`` counts loads that raised and whose buffers changed afterwards
-* ``slow-save`` keys, size: prints "copying" once the first copy into the pool
+* ``slow-save`` / ``slow-load`` keys, size: prints "copying" once the first copy
   started, then copies very slowly (the test kills or stops it)
 
 Optional fields: access_id, access_key, timeout_ms.
@@ -85,6 +85,13 @@ def main() -> int:
                                                            res.success, size)}
     elif command == "mixed":
         rng = random.Random(args["seed"])
+        if args.get("slow_copy_ms"):  # copies slower than the deadline: timeouts mid-copy
+            real, pause = _copy.copy_bytes, args["slow_copy_ms"] / 1000.0
+
+            def slowed(dst: int, src: int, n: int) -> None:
+                time.sleep(pause)
+                real(dst, src, n)
+            _copy.copy_bytes = slowed
         out = {"saved": 0, "loaded": 0, "wrong": 0, "errors": 0, "late": 0}
         late: list = []  # buffers of loads that raised, as they were at the raise
         for _ in range(args["rounds"]):
@@ -113,7 +120,7 @@ def main() -> int:
         time.sleep(0.2)  # a late write would have landed by now
         out["late"] = sum(1 for values, seen in late
                           if [v.bytes() for v in values] != seen)
-    elif command == "slow-save":
+    elif command in ("slow-save", "slow-load"):
         real = _copy.copy_bytes
         announced = []
 
@@ -124,7 +131,7 @@ def main() -> int:
             time.sleep(0.5)
             real(dst, src, n)
         _copy.copy_bytes = slow
-        fut, _ = save(cc, option, args["keys"], size)
+        fut, _ = (save if command == "slow-save" else load)(cc, option, args["keys"], size)
         out["success"] = fut.result().success
     else:
         raise SystemExit(f"unknown command {command}")
