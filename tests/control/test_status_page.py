@@ -132,6 +132,20 @@ def test_status_page_renders_the_reported_numbers(tmp_path, control, daemons):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if os.environ.get("EMS_STATUS_SCREENSHOT"):
             shutil.copyfile(shot, os.environ["EMS_STATUS_SCREENSHOT"])
+        # A report in the format the cluster tier will send (tiers.cluster), posted
+        # through the real daemon endpoint: the page shows that tier's hit rate too.
+        row = dict(control.call("GET", "/v1/hosts/host-1")[1]["report"]["tenants"]["team-a"])
+        row["tiers"] = dict(row["tiers"], cluster={"hits": 3, "misses": 1, "hit_rate": 0.75})
+        assert control.call("POST", "/v1/hosts/host-x/report", token="daemon", body={
+            "server": {"pid": 1, "connections": 0}, "tenants": {"team-a": row},
+            "control": {"revision": 3}})[0] == 204
+        cells = dom(tmp_path, url)
+        assert cells[("#", "sum-hosts")] == "2 / 2"
+        assert cells[("host-x", None, "hit-rate-cluster")] == "75.0%"
+        assert cells[("host-1", None, "hit-rate-cluster")] == "-"
+        assert cells[(None, "team-a", "hit-rate-cluster")] == "75.0%"
+        assert cells[(None, "team-a", "hosts")] == "2"
+        assert control.call("DELETE", "/v1/hosts/host-x")[0] == 200
     finally:
         tr.close()
     # without the token, or with a wrong one, the page shows no data

@@ -20,6 +20,8 @@ function size(n) {
   while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
   return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
 }
+// The cluster tier's counters, where a daemon reports one (tiers.cluster); else null.
+const clusterOf = (t) => (t.tiers && t.tiers.cluster) || null;
 const pct = (hits, misses) => (hits + misses ? (100 * hits / (hits + misses)).toFixed(1) + "%" : "-");
 
 function cell(text, attrs) {
@@ -51,20 +53,23 @@ function card(label, value, id) {
 function render(data) {
   const tenants = new Map(data.tenants.map((t) => [t.access_id, {
     quota: t.quota_bytes, keys: t.active_keys, hosts: 0, capacity: 0, used: 0,
-    objects: 0, hits: 0, misses: 0 }]));
-  let cap = 0, used = 0, hits = 0, misses = 0, live = 0;
+    objects: 0, hits: 0, misses: 0, ctier: false, chits: 0, cmisses: 0 }]));
+  let cap = 0, used = 0, hits = 0, misses = 0, live = 0, chits = 0, cmisses = 0, ctier = false;
   const hostRows = [], cellRows = [];
   for (const h of data.hosts) {
     const r = h.report, srv = r.server || {};
     const stale = h.age_s > STALE_S;
     if (!stale) live++;
-    let hc = 0, hu = 0, ho = 0, hh = 0, hm = 0;
+    let hc = 0, hu = 0, ho = 0, hh = 0, hm = 0, hch = 0, hcm = 0, hct = false;
     for (const [name, t] of Object.entries(r.tenants || {})) {
       hc += t.capacity_bytes; hu += t.used_bytes; ho += t.objects; hh += t.hits; hm += t.misses;
+      const c = clusterOf(t);
+      if (c) { hct = true; hch += c.hits; hcm += c.misses; }
       const agg = tenants.get(name);
       if (agg) {
         agg.hosts++; agg.capacity += t.capacity_bytes; agg.used += t.used_bytes;
         agg.objects += t.objects; agg.hits += t.hits; agg.misses += t.misses;
+        if (c) { agg.ctier = true; agg.chits += c.hits; agg.cmisses += c.misses; }
       }
       const at = { "data-host": h.host, "data-tenant": name };
       cellRows.push([[cell(h.host, { class: "name" }), cell(name, { class: "name" }),
@@ -79,6 +84,7 @@ function render(data) {
         cell(String(t.evictions), { ...at, "data-field": "evictions" })], stale ? "stale" : ""]);
     }
     cap += hc; used += hu; hits += hh; misses += hm;
+    if (hct) { ctier = true; chits += hch; cmisses += hcm; }
     const at = { "data-host": h.host };
     const ctl = r.control || {};
     hostRows.push([[cell(h.host, { class: "name" }),
@@ -89,7 +95,7 @@ function render(data) {
       cell(size(hu), { ...at, "data-field": "used" }),
       cell(String(ho), { ...at, "data-field": "objects" }),
       cell(pct(hh, hm), { ...at, "data-field": "hit-rate-local" }),
-      cell("-", { ...at, "data-field": "hit-rate-cluster" }),
+      cell(hct ? pct(hch, hcm) : "-", { ...at, "data-field": "hit-rate-cluster" }),
       cell(String(ctl.revision ?? "-"), { ...at, "data-field": "revision" }),
       cell(`${h.age_s.toFixed(1)} s ago`)], stale ? "stale" : ""]);
   }
@@ -106,7 +112,7 @@ function render(data) {
       cell(String(t.hits), { ...at, "data-field": "hits" }),
       cell(String(t.misses), { ...at, "data-field": "misses" }),
       cell(pct(t.hits, t.misses), { ...at, "data-field": "hit-rate-local" }),
-      cell("-", { ...at, "data-field": "hit-rate-cluster" })]];
+      cell(t.ctier ? pct(t.chits, t.cmisses) : "-", { ...at, "data-field": "hit-rate-cluster" })]];
   }));
   $("#summary").replaceChildren(
     card("hosts up", `${live} / ${data.hosts.length}`, "sum-hosts"),
@@ -114,7 +120,7 @@ function render(data) {
     card("capacity", size(cap), "sum-capacity"),
     card("used", size(used), "sum-used"),
     card("hit rate local", pct(hits, misses), "sum-hit-rate-local"),
-    card("hit rate cluster", "-", "sum-hit-rate-cluster"));
+    card("hit rate cluster", ctier ? pct(chits, cmisses) : "-", "sum-hit-rate-cluster"));
   $("#revision").textContent = String(data.revision);
   $("#updated").textContent = new Date().toLocaleTimeString();
 }
