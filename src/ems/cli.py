@@ -19,7 +19,7 @@ _COMMANDS = {
              "prefix caching in a real decoding loop: outputs with and without ems, time saved"),
     "bench": ("ems.bench", "main",
               "throughput and latency against memcpy and the peers (table, JSON, plot)"),
-    "stats": ("ems.server", "stats_main",
+    "stats": ("ems.stats", "main",
               "counters of a running ems-server (capacity, used, hit rate, tenants)"),
     "tenants": ("ems.control.cli", "tenants_main",
                 "tenants on ems-control: create, list, show, delete"),

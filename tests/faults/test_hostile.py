@@ -68,7 +68,7 @@ def test_connection_churn_returns_fds_and_rss_to_baseline(make_server, figures):
     time.sleep(0.2)
     fds0, rss0 = fds(pid), rss_bytes(pid)
     t0 = time.monotonic()
-    for round_ in range(15):  # 300 sessions: opened in bursts of 20, closed, again
+    for _ in range(15):  # 300 sessions: opened in bursts of 20, closed, again
         batch = [RemoteTransport.connect(server.socket_path, None, None, 3.0)
                  for _ in range(20)]
         peak = fds(pid)

@@ -10,12 +10,11 @@ import threading
 import time
 
 import pytest
+from itest_support import anonymous_stats, wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.futures import Task
 from ems.protocol import messages as m
-
-from itest_support import anonymous_stats, wait_for
 
 pytestmark = pytest.mark.integration
 

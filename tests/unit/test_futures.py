@@ -149,7 +149,7 @@ def test_v0_and_v1_mixed_from_several_threads(make_cc, idle):
             src, dst = [4 * t, 4 * t + 1], [4 * t + 2, 4 * t + 3]
             slots = lambda ids: [b * bs + p for b in ids for p in range(bs)]  # noqa: E731
             hashes = [10_000 * (t + 1) + i for i in range(2)]
-            for rep in range(5):
+            for _ in range(5):
                 assert cc.save(slots(src), hashes, [bs, bs]).success == 2
                 f = cc.async_load(slots(dst), hashes, [bs, bs])
                 assert f.result() == CcResult(2, 2)

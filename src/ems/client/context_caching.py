@@ -29,6 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import ems.keys as _keys
 from ems.client.layout import RegisteredLayout
 from ems.client.movers import V0Mover
 from ems.client.transport import GrantStatus, Transport
@@ -42,7 +43,6 @@ from ems.config import (
 )
 from ems.errors import EmsErrorCode, EmsException, invalid
 from ems.futures import Cancelled, CcFuture, CcResult, Task
-from ems import keys as _keys
 
 __all__ = ["ContextCaching", "ContextCache_v1"]
 

@@ -57,6 +57,7 @@ first use (and maps the tenant's memory again through it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -98,6 +99,10 @@ _LOCAL_MASK = _LOCAL - 1
 _NEW, _EXISTS = GrantStatus.NEW, GrantStatus.EXISTS
 #: The hot requests go out in their wire form (``[TYPE, fields...]``), no object built.
 _PUT, _ACQUIRE = m.Put.TYPE, m.Acquire.TYPE
+
+
+def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) -> Any:
+    return make(rid, lo, hi)
 
 
 def _pack(gen: int, token: int) -> int:
@@ -235,7 +240,7 @@ class RemoteTransport(Transport):
         try:
             while True:
                 hi = min(n, lo + step)
-                _, reply = self._call(lambda rid, lo=lo, hi=hi: make(rid, lo, hi), task, session)
+                _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task, session)
                 if type(reply) is not cls:
                     raise _bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
                 replies.append(reply)
@@ -361,10 +366,10 @@ class RemoteTransport(Transport):
             # the daemon, this comes after it on the same connection and is a no-op.
             self._post_list(session, raw, m.Abort)
             raise
-        ok = [x for r in replies for x in r.ok]
-        if len(ok) != len(tokens):
-            raise _bad_reply(f"Committed of {len(ok)} for a Commit of {len(tokens)} tokens")
-        return ok
+        done = [x for r in replies for x in r.ok]
+        if len(done) != len(tokens):
+            raise _bad_reply(f"Committed of {len(done)} for a Commit of {len(tokens)} tokens")
+        return done
 
     def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
                       task: Task) -> Optional[list[bool]]:

@@ -53,7 +53,14 @@ import dataclasses
 import hashlib
 import hmac
 import operator
-from typing import Any, Callable, ClassVar, Optional
+import sys
+from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # (only type checkers read it)
+    def dataclass_transform(**_kwargs: Any) -> Callable[[Any], Any]:
+        return lambda f: f
 
 from ems.errors import EmsErrorCode, EmsException
 
@@ -194,7 +201,7 @@ class Message:
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
 
     def to_wire(self) -> list[Any]:
-        return [self.TYPE, *self._fields_of(self)]
+        return [self.TYPE, *type(self)._fields_of(self)]
 
     @classmethod
     def check(cls, values: list[Any]) -> "Message":
@@ -226,10 +233,12 @@ def _short(v: Any) -> str:
 
 
 MESSAGES: dict[int, type[Message]] = {}
+_M = TypeVar("_M")
 
 
-def _message(code: int) -> Callable[[type], type]:
-    def register(cls: type) -> type:
+@dataclass_transform(frozen_default=True, field_specifiers=(_field,))
+def _message(code: int) -> Callable[[type[_M]], type[_M]]:
+    def register(cls: Any) -> Any:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = code
         fields = dataclasses.fields(cls)

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["stats"]:
-        from ems.server import stats_main
+        from ems.stats import main as stats_main  # a client tool, outside the daemon
         return stats_main(argv[1:])
     if argv[:1] == ["serve"]:
         argv = argv[1:]

@@ -63,8 +63,8 @@ from typing import Any, Mapping, Optional
 from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
 from ems.errors import EmsException, invalid
 
-__all__ = ["ANONYMOUS", "Limits", "SDK_MAX_KEY_BYTES", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
-           "read_toml", "resolve_quotas"]
+__all__ = ["ANONYMOUS", "SDK_MAX_KEY_BYTES", "Limits", "ServerConfig", "TenantSpec",
+           "configure_logging", "load_tenants", "read_toml", "resolve_quotas"]
 
 ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -461,8 +461,8 @@ def resolve_quotas(config: ServerConfig, tenants: Mapping[str, str]) -> list[Ten
     unknown = sorted(set(config.quotas_bytes) - set(tenants))
     if unknown:
         raise invalid(f"quotas name access_id(s) not in the tenants file: {', '.join(unknown)}")
-    explicit: dict[Optional[str], int] = dict(config.quotas_bytes)
-    members: list[Optional[str]] = sorted(tenants)
+    explicit: dict[Optional[str], int] = {k: v for k, v in config.quotas_bytes.items()}
+    members: list[Optional[str]] = [t for t in sorted(tenants)]
     if config.anonymous:
         members.append(None)
         if config.anonymous_quota_bytes is not None:

@@ -192,6 +192,7 @@ class Daemon:
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
+        assert self._listener is not None
         self._watch(self._listener, "listen")
         self._watch(self._wake_r, "wake")
         self._started = time.monotonic()
@@ -770,7 +771,7 @@ class Daemon:
             tenants = list(self.registry)
         else:
             tenants = [conn.tenant] if conn.tenant is not None else []
-        from ems import __version__
+        from ems._version import __version__
         out: dict[str, Any] = {
             "server": {
                 "pid": os.getpid(),

@@ -33,7 +33,7 @@ class ServerProcess:
         self.args = list(args)
         self.env = dict(os.environ if env is None else env)
         # The daemon imports this very ems (also from a source tree that is not installed).
-        src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("ems").__file__)))
+        src = os.path.dirname(os.path.dirname(os.path.abspath(str(__import__("ems").__file__))))
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (src, self.env.get("PYTHONPATH", "")) if p)
         self.proc: Optional[subprocess.Popen] = None
@@ -47,7 +47,7 @@ class ServerProcess:
         if self.running:
             raise RuntimeError("ems-server is already running")
         self._log = open(self.log_path, "ab")
-        nofile = self.nofile
+        nofile = self.nofile or 0
 
         def limit() -> None:  # in the child, before exec
             import resource
@@ -56,7 +56,7 @@ class ServerProcess:
             [sys.executable, "-m", "ems.server", "--socket-dir", self.socket_dir, *self.args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env=self.env, start_new_session=True,
-            preexec_fn=limit if nofile is not None else None)
+            preexec_fn=limit if self.nofile is not None else None)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

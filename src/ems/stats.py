@@ -1,4 +1,6 @@
-"""``ems-server stats``: the daemon's counters as a table, or as JSON (``--json``).
+"""``ems stats`` / ``ems-server stats``: the daemon's counters as a table, or as JSON
+(``--json``). A client of the daemon (outside ``ems.server``, which never imports the
+client).
 
 It opens an admin session, which the daemon grants without credentials to its own
 user and to root (it checks the peer's uid) and which sees every tenant. Tenants read
