@@ -210,7 +210,8 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/tenants/{access_id:path}/keys/{kid}/rotate", dependencies=a,
               status_code=201, tags=["keys"])
     def rotate_key(access_id: str, kid: str, body: Optional[KeyIn] = None) -> dict[str, Any]:
-        return service.issue(access_id, (body or KeyIn()).length, revoke=kid)
+        length = body.length if body is not None else KEY_DEFAULT
+        return service.issue(access_id, length, revoke=kid)
 
     @app.delete("/v1/tenants/{access_id:path}/keys/{kid}", dependencies=a, tags=["keys"])
     def revoke_key(access_id: str, kid: str) -> dict[str, Any]:
@@ -225,7 +226,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/tenants/{access_id:path}/keys", dependencies=a, status_code=201,
               tags=["keys"])
     def issue_key(access_id: str, body: Optional[KeyIn] = None) -> dict[str, Any]:
-        return service.issue(access_id, (body or KeyIn()).length)
+        return service.issue(access_id, (body.length if body is not None else KEY_DEFAULT))
 
     @app.put("/v1/tenants/{access_id:path}/quota", dependencies=a, tags=["quotas"])
     def set_quota(access_id: str, body: QuotaIn) -> dict[str, Any]:

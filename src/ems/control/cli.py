@@ -92,7 +92,7 @@ def _when(t: Optional[float]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + "Z"
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

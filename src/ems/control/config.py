@@ -106,7 +106,7 @@ class ControlConfig:
                          ("admin_token", "EMS_CONTROL_ADMIN_TOKEN"),
                          ("daemon_token", "EMS_CONTROL_DAEMON_TOKEN")):
             value = flags.get(key)
-            if key.endswith("_token"):  # never from a flag
+            if key.endswith("_token") and var is not None:  # never from a flag
                 value = (env.get(var) or "").strip() or None
             elif value is None and var is not None:
                 value = env.get(var) or None

@@ -46,7 +46,7 @@ class ControlProcess:
     def start(self, timeout_s: float = 20.0) -> "ControlProcess":
         if os.path.exists(self.port_file):
             os.unlink(self.port_file)
-        src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("ems").__file__)))
+        src = os.path.dirname(os.path.dirname(os.path.abspath(str(__import__("ems").__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
         port = str(self.port) if self.port else "0"  # a restart keeps its port

@@ -56,7 +56,7 @@ from typing import Any, Optional
 from ems.config import EmsConfig, validate_ems_config
 from ems.errors import EmsException, invalid
 from ems.server.config import ServerConfig, TenantSpec
-from ems.server.stats import LoopSnapshots
+from ems.server.snapshots import LoopSnapshots
 from ems.server.tenants import Tenant
 
 __all__ = ["ControlSync", "Plan", "static_specs"]
@@ -191,7 +191,7 @@ class ControlSync:
             logger.info("ems-server: control plane %s reachable (revision %d)", self.url,
                         revision)
         self.reachable = True
-        if tenants is not None and revision != self._seen_revision:
+        if tenants is not None and revision is not None and revision != self._seen_revision:
             self._hand_over(self._plan(revision, tenants))
             if self.config.control_cache:
                 try:

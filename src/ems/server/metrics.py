@@ -62,7 +62,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ems.errors import invalid
-from ems.server.stats import LoopSnapshots
+from ems.server.snapshots import LoopSnapshots
 
 __all__ = ["BUCKETS_S", "MetricsExporter"]
 
