@@ -25,7 +25,7 @@ limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
 
 With ``control`` set, tenants come from ``ems-control`` (``ems.server.control_sync``,
-docs/control.md) and the tenants file must not be given; ``metrics_addr``
+the README's control-plane section) and the tenants file must not be given; ``metrics_addr``
 (``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
