@@ -1,5 +1,5 @@
 """The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``,
-``ems cluster``.
+``ems tenants|keys|quota`` (ems-control), ``ems cluster``.
 
 Each subcommand lives in its own package and is imported only when used, so
 ``ems --help`` works without torch.
@@ -21,6 +21,11 @@ _COMMANDS = {
               "throughput and latency against memcpy and the peers (table, JSON, plot)"),
     "stats": ("ems.stats", "main",
               "counters of a running ems-server (capacity, used, hit rate, tenants)"),
+    "tenants": ("ems.control.cli", "tenants_main",
+                "tenants on ems-control: create, list, show, delete"),
+    "keys": ("ems.control.cli", "keys_main",
+             "access keys on ems-control: issue, list, rotate, revoke"),
+    "quota": ("ems.control.cli", "quota_main", "quotas on ems-control: set"),
     "cluster": ("ems.cluster.launcher", "main",
                 "a local Valkey Cluster for ems-server --cluster (up / down)"),
 }

@@ -3,6 +3,7 @@ daemon (CPU time, RSS, fds) and of this process (its pool mappings)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import time
@@ -43,16 +44,22 @@ class RawClient:
     """A protocol client that does exactly what the test says (no SDK logic): connect,
     anonymous hello, then frames of the test's choosing."""
 
-    def __init__(self, path: str, timeout_s: float = 5.0, hello: bool = True) -> None:
+    def __init__(self, path: str, timeout_s: float = 5.0, hello: bool = True,
+                 map_pool: bool = False) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.sock.connect(path)
         self.decoder = FrameDecoder()
         self.welcome: Optional[m.Welcome] = None
+        #: the tenant's pool memory, mapped (``map_pool``): to read pinned bytes
+        self.pool: Optional[mmap.mmap] = None
         if hello:
             self.sock.sendall(encode(m.Hello(None, False)))
             data, fds_, _flags, _ = socket.recv_fds(self.sock, 1 << 16, 4)
-            for fd in fds_:  # the pool's memfd: not needed here
+            for fd in fds_:  # the pool's memfd
+                if map_pool:
+                    self.pool = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
+                                          mmap.PROT_READ)
                 os.close(fd)
             self.decoder.feed(data)
             msg = self.next()
@@ -95,3 +102,5 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -192,7 +192,7 @@ def test_a_failed_request_reports_through_its_future(cc, option, monkeypatch):
     def broken(*args, **kwargs):
         raise EmsException(EmsErrorCode.EMS_IO_ERROR, "pool lost")
 
-    monkeypatch.setattr(cc._transport, "acquire", broken)
+    monkeypatch.setattr(cc._transport, "load", broken)
     out = np.zeros(8, np.uint8)
     fut = cc.async_load(option, ["k"], [[buf(out)]])
     with pytest.raises(EmsException) as info:
@@ -205,7 +205,7 @@ def test_an_unexpected_error_becomes_internal_error(cc, option, monkeypatch, cap
     def broken(*args, **kwargs):
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(cc._transport, "reserve", broken)
+    monkeypatch.setattr(cc._transport, "save", broken)
     with pytest.raises(EmsException) as info:
         cc.save(option, ["k"], [[KvBufferWrapper(4096, 8)]])  # never copied
     assert info.value.status_code() is EmsErrorCode.EMS_INTERNAL_ERROR

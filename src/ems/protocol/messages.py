@@ -60,6 +60,7 @@ daemon's fresh nonce.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import operator
@@ -85,6 +86,7 @@ __all__ = [
     "Count",
     "Error",
     "Exists",
+    "GrantStatus",
     "Granted",
     "Hello",
     "Lease",
@@ -108,6 +110,17 @@ __all__ = [
 ]
 
 _U64 = 1 << 64
+
+
+class GrantStatus(enum.IntEnum):
+    """A key's status in a ``Granted`` reply (the values of ``ems.pool.core``'s
+    ``GrantStatus``, which the daemon sends: a unit test pins them equal)."""
+
+    NEW = 0  #: space reserved: write the bytes, then commit the token
+    EXISTS = 1  #: already stored (write-once): nothing to copy, counts as stored
+    BUSY = 2  #: another writer holds a reservation: counts as stored
+    FULL = 3  #: no room even after evicting every evictable object
+    TOO_LARGE = 4  #: bigger than the whole pool
 
 
 def _bad(message: str) -> EmsException:

@@ -139,12 +139,14 @@ class ClusterTier:
 
     # ------------------------------------------------------------ plumbing
     def _memory(self, tenant: Any) -> memoryview:
-        """The tenant's pool memory, mapped once (MAP_SHARED over its memfd)."""
-        entry = self._maps.get(id(tenant))
+        """The tenant's pool memory, mapped once (MAP_SHARED over its memfd). Keyed by
+        the segment's random id, never by ``id(tenant)``: a tenant removed by the
+        control plane and a new one at the same address must not share a mapping."""
+        entry = self._maps.get(tenant.segment_id)
         if entry is None:
             mm = mmap.mmap(tenant.fd, tenant.segment_size, flags=mmap.MAP_SHARED,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            entry = self._maps[id(tenant)] = (mm, memoryview(mm))
+            entry = self._maps[tenant.segment_id] = (mm, memoryview(mm))
         return entry[1]
 
     def _submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
@@ -193,7 +195,7 @@ class ClusterTier:
         run is pinned for the client and the request is answered."""
         pool: Pool = tenant.pool
         n = len(pins)
-        tid = id(tenant)
+        tid = tenant.segment_id
         waits: list[_Fetch] = []
         mine: list[tuple[str, Any]] = []
         considered = 0
@@ -227,7 +229,7 @@ class ClusterTier:
         ops = [Op("get", cluster_key(tenant.name, k), target=memory[g.offset:g.offset + g.size],
                   size=g.size) for k, g in grants]
         fetch = _Fetch()
-        tid = id(tenant)
+        tid = tenant.segment_id
         for key, _ in grants:
             self._inflight[(tid, key)] = fetch
 
