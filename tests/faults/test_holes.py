@@ -187,9 +187,9 @@ def test_a_huge_batch_and_huge_keys_are_refused_without_stalling_others(make_ser
         time.sleep(0.1)
         keys = [f"k{i}" for i in range(300_000)]
         t0 = time.monotonic()
-        reply = raw.request([m.Acquire.TYPE, 1, keys, None, False, 0])
+        reply = raw.request([m.Acquire.TYPE, 1, keys, None])
         refused_s = time.monotonic() - t0
-        reply2 = raw.request([m.Reserve.TYPE, 2, ["x" * (1 << 20)], [64], True])
+        reply2 = raw.request([m.Reserve.TYPE, 2, ["x" * (1 << 20)], [64]])
         time.sleep(0.1)
     finally:
         stop.set()

@@ -132,3 +132,19 @@ def test_server_config_takes_the_cluster_from_flag_env_and_file(tmp_path):
             ServerConfig.load({"cluster": bad}, {})
         assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
         assert "cluster" in info.value.message()
+
+
+def test_request_options_travel_and_may_be_left_off():
+    from ems.protocol import messages as m
+    full = m.Acquire.validate([1, ["k"], [64], True, 250])
+    assert full == [1, ["k"], [64], True, 250]
+    # a sender that does not know the options: they mean what they meant before
+    assert m.Acquire.validate([1, ["k"], [64]]) == [1, ["k"], [64], False, 0]
+    assert m.Put.validate([1, ["k"], [0], [64], False]) == [1, ["k"], [0], [64], False,
+                                                             True, 0]
+    assert m.Reserve.validate([1, ["k"], [64]]) == [1, ["k"], [64], True]
+    for bad in ([1, ["k"]], [1, ["k"], [64], True, 250, 7]):
+        with pytest.raises(EmsException):
+            m.Acquire.validate(bad)
+    with pytest.raises(EmsException):
+        m.Acquire.validate([1, ["k"], [64], "yes", 0])  # an option of the wrong type

@@ -39,6 +39,8 @@ The options of a request travel with it (``write_rcache``, ``local_only`` =
 cluster tier (``ems.server.cluster_tier``) acts on them, a single-host one ignores
 them. A cluster daemon may answer an Acquire, Exists, Put or Commit later than
 requests sent after it (after its cluster round trip): replies are matched by rid.
+The option fields are the last ones and have defaults; a sender may leave them off
+(``validate`` fills in the defaults: what the request meant before they existed).
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -224,6 +226,8 @@ class Message:
     PARALLEL: ClassVar[tuple[tuple[str, ...], ...]] = ()
     _NAMES: ClassVar[tuple[str, ...]] = ()
     _CHECKS: ClassVar[tuple[Callable[[Any], bool], ...]] = ()
+    #: defaults of the trailing fields a sender may leave off (the request options)
+    _DEFAULTS: ClassVar[tuple[Any, ...]] = ()
     _PARALLEL_IDX: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
@@ -242,7 +246,12 @@ class Message:
         path uses them positionally, without building a message object)."""
         checks = cls._CHECKS
         if len(values) != len(checks):
-            raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
+            # Trailing option fields (those with a default) may be left off: the
+            # request then means what it meant before they existed.
+            missing = len(checks) - len(values)
+            if not 0 < missing <= len(cls._DEFAULTS):
+                raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
+            values = [*values, *cls._DEFAULTS[len(cls._DEFAULTS) - missing:]]
         for check, value in zip(checks, values):
             if not check(value):
                 i = next(j for j, (c, v) in enumerate(zip(checks, values)) if not c(v))
@@ -272,6 +281,12 @@ def _message(code: int) -> Callable[[type[_M]], type[_M]]:
         fields = dataclasses.fields(cls)
         cls._NAMES = tuple(f.name for f in fields)
         cls._CHECKS = tuple(f.metadata["check"] for f in fields)
+        trailing = []
+        for f in reversed(fields):  # the defaults of the trailing optional fields
+            if f.default is dataclasses.MISSING:
+                break
+            trailing.insert(0, f.default)
+        cls._DEFAULTS = tuple(trailing)
         get = operator.attrgetter(*cls._NAMES)  # (one name: a value, not a tuple)
         cls._fields_of = staticmethod(get if len(cls._NAMES) > 1 else lambda msg: (get(msg),))
         cls._PARALLEL_IDX = tuple(tuple(cls._NAMES.index(n) for n in group)
