@@ -281,7 +281,7 @@ def _message(code: int) -> Callable[[type[_M]], type[_M]]:
         fields = dataclasses.fields(cls)
         cls._NAMES = tuple(f.name for f in fields)
         cls._CHECKS = tuple(f.metadata["check"] for f in fields)
-        trailing = []
+        trailing: list[Any] = []
         for f in reversed(fields):  # the defaults of the trailing optional fields
             if f.default is dataclasses.MISSING:
                 break
