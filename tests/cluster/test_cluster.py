@@ -197,6 +197,13 @@ def test_two_tenants_stay_apart_across_hosts(shared_cluster, make_host):
     b_same = make_host(shared_cluster.seed, "team-a", keys["team-a"], tenants=keys,
                        anonymous=False)
     assert load(b_same, ["secret"], SIZE) == (1, 0)
+    # each tenant's cluster counters in its row (tiers.cluster, as the control plane
+    # shows them)
+    other = b_other.report()["tenants"]["team-b"]["tiers"]["cluster"]
+    same = b_same.report()["tenants"]["team-a"]["tiers"]["cluster"]
+    assert (other["hits"], other["misses"]) == (0, 1)
+    assert (same["hits"], same["misses"], same["hit_rate"]) == (1, 0, 1.0)
+    assert a.report()["tenants"]["team-a"]["tiers"]["cluster"]["writes"] == 1
 
 
 def test_a_corrupt_short_or_foreign_value_is_a_miss(shared_cluster, make_host):

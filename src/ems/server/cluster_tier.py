@@ -134,6 +134,8 @@ class ClusterTier:
         self._dropped_logged_at = -_WARN_EVERY_S
         self._lock = threading.Lock()  # counters updated by workers
         self._c: collections.Counter = collections.Counter()
+        #: per tenant (by name): hits, misses, bytes_in, writes, bytes_out
+        self._per_tenant: dict[str, collections.Counter] = {}
         self._latencies: collections.deque = collections.deque(maxlen=_LATENCIES)
         self._closed = False
 
@@ -178,9 +180,25 @@ class ClusterTier:
         budget = budget_ms / 1000 * BUDGET_SHARE if budget_ms else self._max_batch_s
         return time.monotonic() + min(budget, self._max_batch_s)
 
-    def _count(self, **kw: int) -> None:
+    def _count(self, tenant: Any = None, **kw: int) -> None:
         with self._lock:
             self._c.update(kw)
+            if tenant is not None:
+                row = self._per_tenant.get(tenant.name)
+                if row is None:
+                    row = self._per_tenant[tenant.name] = collections.Counter()
+                row.update(kw)
+
+    def tenant_tier(self, tenant: Any) -> dict[str, Any]:
+        """The cluster tier's counters of one tenant (``tiers.cluster`` of its row in
+        the daemon's report, which the control plane's status page shows)."""
+        with self._lock:
+            row = dict(self._per_tenant.get(tenant.name, {}))
+        hits, misses = row.get("hits", 0), row.get("misses", 0)
+        return {"hits": hits, "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
+                "bytes_out": row.get("bytes_out", 0)}
 
     # ------------------------------------------------------------ loads
     def acquire(self, conn: Any, tenant: Any, rid: int, keys: list[str], sizes: list[int],
@@ -245,7 +263,7 @@ class ClusterTier:
             pool.abort([g.token for (_, g), hit in zip(grants, ok) if not hit], FETCH_OWNER)
             for key, _ in grants:  # every verified value has filled the read cache
                 self._inflight.pop((tid, key), None)
-            self._count(lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
+            self._count(tenant, lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
                         bytes_in=sum(g.size for (_, g), hit in zip(grants, ok) if hit))
             for request in fetch.waiters:
                 request.pending -= 1
@@ -336,7 +354,7 @@ class ClusterTier:
         def done(ok: Optional[list[bool]]) -> None:
             ok = ok or [False] * len(keys)
             good = sum(ok)
-            self._count(writes=good, write_errors=len(ok) - good,
+            self._count(tenant, writes=good, write_errors=len(ok) - good,
                         bytes_out=sum(len(v) for v, hit in zip(views, ok) if hit))
             for v in views:
                 v.release()

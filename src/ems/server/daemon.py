@@ -855,6 +855,8 @@ class Daemon:
             row["connections"] = t.connections
             row["quota_bytes"] = t.quota_bytes
             row["source"] = t.source
+            if self.cluster is not None:  # this tenant's lookups and writes there
+                row["tiers"] = {"cluster": self.cluster.tenant_tier(t)}
             out["tenants"][t.name] = row
         if self.cluster is not None:
             out["cluster"] = self.cluster.report()
