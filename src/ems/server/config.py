@@ -35,7 +35,7 @@ the README's control-plane section) and the tenants file must not be given; ``me
 
 The cluster: ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
 TLS) joins the daemon to a Valkey Cluster that holds the pool shared by every host
-(``ems.server.cluster_tier``, docs/cluster.md). Its credentials stay in the daemon;
+(``ems.server.cluster_tier``, the README's cluster section). Its credentials stay in the daemon;
 prefer ``EMS_CLUSTER_PASSWORD`` to a password in the URL (which ``ps`` shows).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
