@@ -6,8 +6,9 @@ it as a subprocess with a timeout).
 
 SPEC: {"engines": [{"name", "model", "connector": bool, "extra": {...},
                     "max_tokens", "steps": [{"name", "prompts": [[ids]], "kill_pid"?}]}]}
-A step's ``kill_pid`` is SIGKILLed (the test's ems-server) just before the step's
-prompts are submitted. OUT: per engine, per step: the greedy tokens and
+Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``wait_file`` is
+waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
+``signal_file`` is written (how the test restarts the pool between two steps). OUT: per engine, per step: the greedy tokens and
 ``num_cached_tokens`` of every prompt, and the connector's statistics (single-process
 mode only: in the default mode the connector lives in other processes).
 """
@@ -28,7 +29,9 @@ def connector_stats(llm) -> dict:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
         if has_kv_transfer_group():
-            out["worker"] = dataclasses.asdict(get_kv_transfer_group().statistics())
+            worker = get_kv_transfer_group()
+            worker.flush()  # the saves of the requests just served
+            out["worker"] = dataclasses.asdict(worker.statistics())
     except Exception as exc:  # noqa: BLE001 - a report, not a check
         out["worker_error"] = repr(exc)
     try:
@@ -48,7 +51,7 @@ def run_engine(spec: dict) -> dict:
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EmsConnector", kv_connector_module_path="ems.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=spec.get("extra", {}))
+            kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec.get("extra", {}))
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True,
               max_model_len=spec.get("max_model_len", 2048), block_size=spec.get("block_size", 32),
@@ -62,13 +65,24 @@ def run_engine(spec: dict) -> dict:
     for step in spec["steps"]:
         if step.get("kill_pid"):
             os.kill(int(step["kill_pid"]), signal.SIGKILL)
+        if step.get("wait_file"):
+            deadline = time.monotonic() + step.get("wait_s", 60)
+            while not os.path.exists(step["wait_file"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{step['wait_file']} did not appear")
+                time.sleep(0.05)
+        time.sleep(step.get("sleep_s", 0))
         t1 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp,
                             use_tqdm=False)
         result["steps"].append({
             "name": step["name"], "s": round(time.perf_counter() - t1, 3),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "cached": [o.num_cached_tokens for o in outs]})
+            "cached": [o.num_cached_tokens for o in outs],
+            "stats": connector_stats(llm)})
+        if step.get("signal_file"):
+            with open(step["signal_file"], "w") as f:
+                f.write("done")
     result["stats"] = connector_stats(llm)
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -79,6 +93,12 @@ def run_engine(spec: dict) -> dict:
 
 
 def main() -> None:
+    # ems logs under "ems" (a library configures no handlers); show them in this log
+    import logging
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("EMS %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("ems").addHandler(handler)
+    logging.getLogger("ems").setLevel(logging.INFO)
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)

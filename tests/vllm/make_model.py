@@ -1,7 +1,8 @@
 """Build a tiny Llama with random, fixed-seed weights in a local directory (no hub).
 
-Run inside the vLLM venv: ``python make_model.py OUT_DIR [--seed N] [--layers L]
-[--hidden H] [--heads A] [--kv-heads K] [--vocab V]``. Weights are redrawn from
+Run inside the vLLM venv: ``python make_model.py OUT_DIR[@SEED] ... [--layers L]
+[--hidden H] [--heads A] [--kv-heads K] [--vocab V]`` (one process builds them all:
+the imports are most of the time). Weights are redrawn from
 N(0, 0.05) so that greedy decoding is not degenerate (the default init gives the
 same token over and over). fp32, safetensors. Prints the directory.
 """
@@ -15,8 +16,7 @@ import os
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("outs", nargs="+", help="DIR or DIR@SEED (default seed 0)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -28,7 +28,14 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(args.seed)
+    for out in args.outs:
+        path, _, seed = out.partition("@")
+        build(torch, LlamaConfig, LlamaForCausalLM, args, path, int(seed or 0))
+        print(path)
+
+
+def build(torch, LlamaConfig, LlamaForCausalLM, args, out: str, seed: int) -> None:
+    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate or 2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -40,11 +47,10 @@ def main() -> None:
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    with open(os.path.join(args.out, "ems-model.json"), "w") as f:
-        json.dump(vars(args), f)
-    print(args.out)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    with open(os.path.join(out, "ems-model.json"), "w") as f:
+        json.dump(dict(vars(args), outs=None, seed=seed), f)
 
 
 if __name__ == "__main__":

@@ -276,6 +276,10 @@ class EmsConnector(KVConnectorBase_V1):
             # vLLM reads the policy after building the connector: a pool miss or a
             # failed load is recomputed, never a failed request.
             ktc.kv_load_failure_policy = "recompute"
+        # kv_role: "kv_both" loads and saves; "kv_consumer" only loads, "kv_producer"
+        # only saves.
+        self._can_load = bool(ktc.is_kv_consumer)
+        self._can_save = bool(ktc.is_kv_producer)
         self._tp_rank = 0
         config = self._ems_config(vllm_config, role)
         self._session = PoolSession.get(self.settings, config)
@@ -379,17 +383,17 @@ class EmsConnector(KVConnectorBase_V1):
         bs = self.block_size
         last = (len(prompt) - 1) // bs  # full blocks before the last prompt token
         first = num_computed_tokens // bs
-        if last <= first:
-            return 0, False
-        plan = self._plans.get(request.request_id) or _Plan(request)
-        hashes = self._hashes(plan, last)[first:]
-        self._plans.setdefault(request.request_id, plan)
-        hits = self._session.lookup(hashes, [bs] * len(hashes)) if hashes else 0
-        if hits * bs < max(self.settings.min_load_tokens, 1):
-            hits = 0
+        plan = self._plans.setdefault(request.request_id, _Plan(request))
+        hits = 0
+        if self._can_load and last > first:
+            hashes = self._hashes(plan, last)[first:]
+            hits = self._session.lookup(hashes, [bs] * len(hashes)) if hashes else 0
+            if hits * bs < max(self.settings.min_load_tokens, 1):
+                hits = 0
+            self._counters.add(lookups=1, tokens_looked_up=len(hashes) * bs,
+                               tokens_hit=hits * bs)
+        # vLLM's own cache had ``first`` blocks: they need no save either
         self._lookups[request.request_id] = (first, hits)
-        self._counters.add(lookups=1, tokens_looked_up=len(hashes) * bs,
-                           tokens_hit=hits * bs)
         return hits * bs, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -445,6 +449,8 @@ class EmsConnector(KVConnectorBase_V1):
 
     def _plan_saves(self, plan: _Plan, req_id: str, computed: int,
                     meta: EmsConnectorMetadata) -> None:
+        if not self._can_save:
+            return
         n_prompt = len(plan.request.prompt_token_ids or ())
         done = min(computed, n_prompt) // self.block_size
         done = min(done, len(plan.block_ids), len(self._hashes(plan, done)))
@@ -533,10 +539,14 @@ class EmsConnector(KVConnectorBase_V1):
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def shutdown(self) -> None:
+    def flush(self) -> None:
+        """Wait for every save submitted so far (each bounded by ``save_timeout_ms``)."""
         for futs in list(self._saves.values()):
-            for fut in futs:
+            for fut in list(futs):
                 fut.result()
+
+    def shutdown(self) -> None:
+        self.flush()
         self._maybe_log(self.role.name.lower(), force=True)
         self._session.close()
 
