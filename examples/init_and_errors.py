@@ -61,10 +61,11 @@ try:
 except EmsException as e:
     print(f"second init: {e.status_code().name}")
 
-# Invalid configs name the field and the rule.
+# Invalid configs name the field and the rule (ids take what deployments write --
+# "cc_kvstore@_@ds_default_ns_001", "org/Model-7B" -- but not empty or control chars).
 Ems.finalize()
 try:
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=8, device_id=0, model_id="Llama2-13B")))
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=8, device_id=0, model_id="")))
 except EmsException as e:
     print(f"exception: {e}.")
 

@@ -27,12 +27,16 @@ __all__ = [
     "EmsConfig",
     "KVCacheType",
     "PoolSettings",
+    "MAX_ID_LEN",
+    "has_credentials",
     "parse_bytes",
+    "v1_from_v0",
     "validate_ems_config",
     "validate_option",
 ]
 
-_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
+#: Longest ``access_id``, ``model_id`` and ``llm_engine`` (the docs' bound for ids).
+MAX_ID_LEN = 512
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 
 
@@ -111,6 +115,19 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the seeds' name
         self.kvcache_type = kvcache_type
 
 
+def v1_from_v0(cc: CcConfig) -> CcConfig_v1:
+    """The V1 config of a V0 ``CcConfig`` (V1 calls after a V0 ``Ems.init``, as in the
+    official ``register_kvcache`` sample): ``llm_engine`` "vllm", ``kvcache_type`` MHA,
+    and this rank's tp/pp positions from ``rank_id`` with tp fastest (vLLM's and
+    Megatron's numbering) -- 0 and 0 for the sample's world sizes of 1 -- so TP/PP ranks
+    keep distinct storage keys."""
+    tp, pp = cc.tp_world_size, cc.pp_world_size
+    return CcConfig_v1(cc.rank_id, cc.device_id, cc.model_id, tp, pp,
+                       rank_in_tp_group=cc.rank_id % tp,
+                       rank_in_pp_group=(cc.rank_id // tp) % pp,
+                       llm_engine="vllm", kvcache_type=KVCacheType.MHA)
+
+
 class EmsConfig:
     """Top-level config of :meth:`Ems.init`."""
 
@@ -150,8 +167,19 @@ def _bool(value: Any, field: str) -> None:
 
 
 def _ident(value: Any, field: str) -> None:
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise invalid(f"{field} must be 1-512 characters of 0-9 a-z . - _, got {value!r}")
+    """An id as real deployments write them (``cc_kvstore@_@ds_default_ns_001``,
+    ``vllm@svc``, ``org/Model-7B:v2``): 1-512 printable characters. Refused is only
+    what would break a storage key, a log line or the wire: a non-str, the empty
+    string, control characters (and unpaired surrogates, which cannot be encoded),
+    and over-long values."""
+    if not isinstance(value, str):
+        raise invalid(f"{field} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_ID_LEN:
+        raise invalid(f"{field} must be 1-{MAX_ID_LEN} characters, got {len(value)}")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise invalid(f"{field} must not hold control or unprintable characters, got "
+                      f"{bad!r} in {value[:64]!r}")
 
 
 def validate_option(option: Any, *, required: bool) -> "CcKvOption":
@@ -180,9 +208,7 @@ def _validate_cc(cc: Any, name: str, v1: bool) -> None:
     if v1:
         _int(cc.rank_in_tp_group, f"{name}.rank_in_tp_group", 0, cc.tp_world_size)
         _int(cc.rank_in_pp_group, f"{name}.rank_in_pp_group", 0, cc.pp_world_size)
-        engine = cc.llm_engine
-        if not isinstance(engine, str) or not 1 <= len(engine) <= 512 or not engine.isprintable():
-            raise invalid(f"{name}.llm_engine must be 1-512 printable characters, got {engine!r}")
+        _ident(cc.llm_engine, f"{name}.llm_engine")
         try:
             cc.kvcache_type = KVCacheType(cc.kvcache_type)
         except ValueError:
@@ -191,16 +217,28 @@ def _validate_cc(cc: Any, name: str, v1: bool) -> None:
                           f"got {cc.kvcache_type!r}") from None
 
 
+def has_credentials(config: "EmsConfig") -> bool:
+    """Whether ``config`` presents credentials. An empty or ``None`` ``access_key`` means
+    *no credentials* (the anonymous namespace), whatever ``access_id`` says: the real
+    EMS adapter ships ``access_key=""`` with an ``access_id`` in its defaults."""
+    return config.access_key is not None and config.access_key != ""
+
+
 def validate_ems_config(config: Any) -> None:
     """Apply every rule of the spec to an :class:`EmsConfig`; raise on the first break."""
     if not isinstance(config, EmsConfig):
         raise invalid(f"config must be an EmsConfig, got {type(config).__name__}")
-    if (config.access_id is None) != (config.access_key is None):
-        raise invalid("access_id and access_key must be given together (or both None)")
-    if config.access_id is not None:
+    if has_credentials(config):
+        if config.access_id is None:
+            raise invalid("access_key needs an access_id (or leave access_key empty for "
+                          "anonymous access)")
         _ident(config.access_id, "access_id")
         if not isinstance(config.access_key, str) or not _KEY_RE.fullmatch(config.access_key):
-            raise invalid("access_key must be 32-256 characters of 0-9 A-Z a-z + / =")
+            raise invalid("access_key must be 32-256 characters of 0-9 A-Z a-z + / = "
+                          "(or empty / None for anonymous access)")
+    elif config.access_id is not None and not isinstance(config.access_id, str):
+        # Not used without a key (anonymous), but it is logged: it must be text.
+        raise invalid(f"access_id must be a str or None, got {type(config.access_id).__name__}")
     if config.cc_config is not None:
         _validate_cc(config.cc_config, "cc_config", v1=False)
     if config.cc_config_v1 is not None:

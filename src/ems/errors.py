@@ -42,11 +42,15 @@ ERROR_MEANINGS: dict[EmsErrorCode, str] = {
         "into the caller's buffers after the call raised"
     ),
     EmsErrorCode.EMS_RECOVERD_ERROR: (
-        "the pool restarted; the session was lost, call Ems.init again (clients "
-        "re-init from their health check)"
+        "the pool is not available yet (no daemon socket, connection refused, no answer "
+        "within the connect timeout, or the connection dropped during the handshake): "
+        "retry Ems.init when Ems.check_health() is True"
     ),
     EmsErrorCode.EMS_NOT_INITIALIZED: "Ems.init has not succeeded in this process",
-    EmsErrorCode.EMS_UNAVAILABLE: "no pool daemon answers on the configured socket",
+    EmsErrorCode.EMS_UNAVAILABLE: (
+        "retired: not raised by this version (a daemon that cannot be reached yet is "
+        "EMS_RECOVERD_ERROR); kept so that code naming it still runs"
+    ),
     EmsErrorCode.EMS_AUTH_FAILED: "access_id/access_key were refused by the pool",
     EmsErrorCode.EMS_NO_SPACE: "the pool (or the tenant's quota) has no room",
     EmsErrorCode.EMS_PROTOCOL_ERROR: "a malformed or incompatible wire message",

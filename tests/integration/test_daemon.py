@@ -227,7 +227,7 @@ def test_init_against_an_absent_daemon_fails_fast(tmp_path, monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(EmsException) as info:
         Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
-    assert info.value.status_code() is EmsErrorCode.EMS_UNAVAILABLE
+    assert info.value.status_code() is EmsErrorCode.EMS_RECOVERD_ERROR
     assert time.monotonic() - t0 < 1.0
     assert Ems.get_cc() is None and not Ems.check_health()
 
@@ -244,7 +244,7 @@ def test_init_against_a_hung_daemon_fails_within_the_connect_timeout(server, cli
         elapsed = time.monotonic() - t0
     finally:
         server.resume()
-    assert info.value.status_code() is EmsErrorCode.EMS_UNAVAILABLE
+    assert info.value.status_code() is EmsErrorCode.EMS_RECOVERD_ERROR
     assert 0.3 < elapsed < 2.0
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
     assert Ems.check_health()

@@ -48,6 +48,12 @@ RUNS = {
         "hybrid load: CcResult(success=2, total=2)": 1,
         "hybrid loaded KV equals saved KV: True": 1,
     }),
+    "v1_register_kvcache": ("v1_register_kvcache.py", {}, {
+        "register_kvcache: ok": 1,
+        "saved: CcResult(success=2, total=2)": 1,
+        "loaded: CcResult(success=2, total=2)": 1,
+        "loaded KV equals saved KV: True": 1,
+    }),
     "init_and_errors": ("init_and_errors.py", {}, {
         "health: True": 1,
         "load of a key never saved: CcResult(success=0, total=1)": 1,

@@ -48,7 +48,7 @@ MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
     m.Challenge: st.builds(m.Challenge, st.binary(max_size=64)),
     m.Auth: st.builds(m.Auth, st.binary(max_size=64)),
     m.Welcome: st.builds(m.Welcome, text, u64, u64,
-                         st.floats(0, 1e6) | st.integers(0, 10**6), text),
+                         st.floats(0, 1e6) | st.integers(0, 10**6), text, u64),
     m.Reserve: st.builds(lambda r, ks: m.Reserve(r, *ks), rid, _keys_sizes(False)),
     m.Commit: st.builds(m.Commit, rid, uints),
     m.Abort: st.builds(m.Abort, uints),

@@ -481,16 +481,6 @@ def test_v1_before_register_kvcache_is_invalid(make_cc):
     assert cc.statistics().objects == 0
 
 
-def test_register_kvcache_needs_a_v1_config(make_cc):
-    from ems import CcConfig
-
-    cc = make_cc(cc_config=CcConfig(0, 0, "m"))
-    with pytest.raises(EmsException) as info:
-        cc.register_kvcache(mha_4d())
-    assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
-    assert "cc_config_v1" in info.value.message()
-
-
 GOOD_SLOTS, GOOD_HASHES, GOOD_OFFSETS = blocks_slots([0, 1]), [1, 2], [BS, BS]
 
 # (id, kwargs of the call, substring naming the field)

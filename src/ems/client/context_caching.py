@@ -32,7 +32,14 @@ from typing import Any, Optional
 from ems.client.layout import RegisteredLayout
 from ems.client.movers import V0Mover
 from ems.client.transport import GrantStatus, Transport
-from ems.config import CcConfig, CcConfig_v1, CcKvOption, KVCacheType, validate_option
+from ems.config import (
+    CcConfig,
+    CcConfig_v1,
+    CcKvOption,
+    KVCacheType,
+    v1_from_v0,
+    validate_option,
+)
 from ems.errors import EmsErrorCode, EmsException, invalid
 from ems.futures import Cancelled, CcFuture, CcResult, Task
 from ems import keys as _keys
@@ -65,18 +72,30 @@ class ContextCaching:
         self._closed = False
 
     # ------------------------------------------------------------------ V1 setup
-    def register_kvcache(self, kv_caches: Any, store_layer_group_desc: Any = None) -> None:
-        """Register the paged KV cache (per layer, a list of tensors); see ``layout``."""
+    def register_kvcache(self, kv_caches: Any, store_layer_group_desc: Any = None,
+                         block_size: Any = None) -> None:
+        """Register the paged KV cache (per layer, a list of tensors); see ``layout``.
+
+        ``block_size=N`` registers opaque pages (every tensor's ``t[block_id]`` holds a
+        block of ``N`` tokens in the layout's own order: NZ, vLLM's CPU layout); calls
+        must then name whole blocks. Tensors on the ``meta`` device register the layout
+        only (keys and ``exists``, for a scheduler process without KV memory); such a
+        registration never replaces a real one of the same layout.
+
+        With only a V0 ``cc_config`` at ``Ems.init`` (the official sample), the V1-only
+        fields take their documented defaults (:func:`ems.config.v1_from_v0`)."""
         self._check_open()
         cfg = self._cc_v1
         if cfg is None:
-            raise invalid("register_kvcache needs EmsConfig.cc_config_v1 (a CcConfig_v1) "
-                          "at Ems.init")
+            if self._cc_config is None:
+                raise invalid("register_kvcache needs a cc_config or cc_config_v1 at "
+                              "Ems.init")
+            cfg = v1_from_v0(self._cc_config)
         try:
             import torch  # noqa: F401
         except ImportError:
             raise invalid("register_kvcache needs torch, which is not installed") from None
-        layout = RegisteredLayout(kv_caches, store_layer_group_desc)
+        layout = RegisteredLayout(kv_caches, store_layer_group_desc, block_size)
         tp = "mla" if cfg.kvcache_type == KVCacheType.MLA else (
             f"{cfg.tp_world_size}.{cfg.rank_in_tp_group}")
         ident = "\x1f".join([self._tenant, cfg.llm_engine, cfg.model_id,
@@ -84,10 +103,18 @@ class ContextCaching:
                              layout.fingerprint])
         prefix = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
         with self._lock:
+            old = self._layout
+            if (layout.meta and old is not None and not old.meta
+                    and old.fingerprint == layout.fingerprint):
+                logger.debug("ems: a meta registration of the registered layout %s: kept "
+                             "the registered memory", layout.fingerprint)
+                return
             self._layout = layout
             self._v1_prefix = f"v1:{prefix}:"
-        logger.info("ems: registered %d tensors in %d layer group(s), layout %s",
-                    len(layout.tensors), len(layout.groups), layout.fingerprint)
+        logger.info("ems: registered %d tensors in %d layer group(s), layout %s%s%s",
+                    len(layout.tensors), len(layout.groups), layout.fingerprint,
+                    " (opaque pages)" if any(g.opaque for g in layout.groups) else "",
+                    " (meta: keys and exists only)" if layout.meta else "")
 
     # ------------------------------------------------------------------ requests
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
@@ -204,6 +231,9 @@ class ContextCaching:
         bound = self._bind(op, names, args, kwargs)
         option = validate_option(bound.get("option"), required=False)
         layout, prefix = self._v1_state()
+        if layout.meta:
+            raise invalid(f"{op} needs KV memory: the registered kv_caches are meta tensors "
+                          f"(a layout for keys and exists only); register the real tensors")
         has_slots = bound.get("slot_mapping") is not None or bound.get("offsets") is not None
         has_chunks = bound.get("chunk_descs") is not None
         if has_slots and has_chunks:

@@ -27,6 +27,23 @@ or tokens. Pool memory is viewed as overlapping rows (:meth:`Segment.window`) so
 that a row index is an element offset and one index op reaches objects anywhere in
 the pool. When every block of a group is a full, block-aligned run of slots (what
 engines send), whole blocks are moved as rows instead of single tokens.
+
+Opaque pages (``block_size=N``): some layouts do not keep a block's tokens along dim
+1 -- the NZ layout ``[num_blocks, heads*head_size/16, block_size, 16]``, vLLM's CPU
+layout ``[num_blocks, kv_heads, 2*block_size, head_size]`` (a block's K rows, then
+its V rows). Clients of those layouts move whole blocks only. Registering with
+``block_size=N`` (an int for every group, or one entry per group, None = paged) says
+so: every tensor's ``t[block_id]`` (dims 1.. contiguous, any shape, 2-D or more) is an
+opaque page of ``N`` tokens, a block's object is its pages concatenated, and a call
+must name exactly one whole, block-aligned block per hash (``offsets[i] == N``, slots
+``b*N .. b*N+N-1``); a token inside a block is ``EMS_INVALID_ARGUMENT`` saying why.
+The layout is never guessed from shapes: ``[nb, kv_heads, 2*bs, hs]`` with
+``kv_heads == bs`` would look paged, and a partial block would then move wrong bytes.
+
+Meta tensors (``device="meta"``) register a layout without memory: the keys and
+``exists`` work (a scheduler process that holds no KV tensors computes the same keys
+as its workers: ``num_blocks`` is not part of a key), save and load raise
+``EMS_INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ class _TensorInfo:
     stride0: int  # bytes between blocks
     stride1: int  # bytes between positions
     host: bool  # on the CPU: the native bulk copy may address it directly
+    page_bytes: int = 0  # > 0: an opaque page of this many bytes per block
 
 
 @dataclasses.dataclass
@@ -64,6 +82,7 @@ class _Group:
     num_blocks: int
     block_size: int
     tensors: list[int]  # indices into RegisteredLayout.tensors
+    opaque: bool = False  # every tensor's t[block] is an opaque page (block_size given)
 
     @property
     def slots(self) -> int:
@@ -77,7 +96,8 @@ def _units(torch: Any) -> list[tuple[int, Any]]:
 class RegisteredLayout:
     """What ``register_kvcache`` registered: validated views of every cache tensor."""
 
-    def __init__(self, kv_caches: Any, store_layer_group_desc: Any = None) -> None:
+    def __init__(self, kv_caches: Any, store_layer_group_desc: Any = None,
+                 block_size: Any = None) -> None:
         import torch
         self._torch = torch
         if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
@@ -87,10 +107,12 @@ class RegisteredLayout:
             if isinstance(layer, torch.Tensor) or not isinstance(layer, (list, tuple)) \
                     or not layer:
                 raise invalid(f"kv_caches[{li}] must be a non-empty list of tensors")
-            for ti, t in enumerate(layer):
-                self._check_tensor(t, f"kv_caches[{li}][{ti}]")
             layers.append(list(layer))
-        self.groups = self._groups(layers, store_layer_group_desc)
+        self.groups = self._groups(layers, store_layer_group_desc, block_size)
+        for group in self.groups:
+            for li in group.layers:
+                for ti, t in enumerate(layers[li]):
+                    self._check_tensor(t, f"kv_caches[{li}][{ti}]", group.opaque)
         # One copy unit for the whole layout: the largest that divides every token
         # row, every stride and every address (pool offsets are 64-byte aligned).
         unit, self.dtype = 1, torch.uint8
@@ -105,38 +127,61 @@ class RegisteredLayout:
                 for t in layers[li]:
                     group.tensors.append(len(self.tensors))
                     self.tensors.append(self._info(t, gi, li))
-        desc = [(g.layers, g.block_size,
-                 [(str(layers[li][k].dtype), tuple(layers[li][k].shape[2:]))
-                  for li in g.layers for k in range(len(layers[li]))]) for g in self.groups]
+        desc: list[Any] = []
+        for g in self.groups:
+            if g.opaque:  # the whole page's shape: its inner order is the layout's own
+                desc.append(("opaque", g.layers, g.block_size,
+                             [(str(layers[li][k].dtype), tuple(layers[li][k].shape[1:]))
+                              for li in g.layers for k in range(len(layers[li]))]))
+            else:  # (unchanged since the first release: old blocks keep their keys)
+                desc.append((g.layers, g.block_size,
+                             [(str(layers[li][k].dtype), tuple(layers[li][k].shape[2:]))
+                              for li in g.layers for k in range(len(layers[li]))]))
         self.fingerprint = hashlib.blake2b(repr(desc).encode(), digest_size=8).hexdigest()
         self.devices = sorted({str(layers[li][0].device) for li in range(len(layers))})
+        #: a layout without memory (meta tensors): keys and exists only
+        self.meta = self.devices == ["meta"]
+        if "meta" in self.devices and not self.meta:
+            raise invalid(f"kv_caches mixes meta tensors with tensors on {self.devices}: "
+                          f"register either a layout only (all meta) or real memory")
 
     # ------------------------------------------------------------ registration
-    def _check_tensor(self, t: Any, field: str) -> None:
+    def _check_tensor(self, t: Any, field: str, opaque: bool = False) -> None:
         torch = self._torch
         if not isinstance(t, torch.Tensor):
             raise invalid(f"{field} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() not in (3, 4):
-            raise invalid(f"{field} must be 3-D or 4-D [num_blocks, block_size, ...], "
-                          f"got shape {tuple(t.shape)}")
         if t.numel() == 0:
             raise invalid(f"{field} must not be empty, got shape {tuple(t.shape)}")
         shape, stride = t.shape, t.stride()
+        if opaque:
+            if t.dim() < 2:
+                raise invalid(f"{field} must be at least 2-D [num_blocks, ...] (an opaque "
+                              f"page per block), got shape {tuple(shape)}")
+            first, what = 1, "the page dims (all but dim 0)"
+        else:
+            if t.dim() not in (3, 4):
+                raise invalid(f"{field} must be 3-D or 4-D [num_blocks, block_size, ...], "
+                              f"got shape {tuple(shape)} (register other layouts, whose "
+                              f"blocks are opaque pages, with block_size=N)")
+            first, what = 2, f"the per-token dims {tuple(shape[2:])}"
         expect = 1
-        for d in range(t.dim() - 1, 1, -1):
+        for d in range(t.dim() - 1, first - 1, -1):
             if shape[d] != 1 and stride[d] != expect:
-                raise invalid(f"{field}: the per-token dims {tuple(shape[2:])} must be "
-                              f"contiguous, got strides {tuple(stride)}")
+                raise invalid(f"{field}: {what} must be contiguous, got strides "
+                              f"{tuple(stride)}")
             expect *= shape[d]
 
     @staticmethod
     def _fits(t: Any, unit: int) -> bool:
         es = t.element_size()
-        tb = es * int(t[0, 0].numel())
+        if t.dim() < 3:  # (only opaque pages are 2-D: their row is the page)
+            tb, strides = es * int(t[0].numel()), t.stride()[:1]
+        else:
+            tb, strides = es * int(t[0, 0].numel()), t.stride()[:2]
         return (tb % unit == 0 and t.data_ptr() % unit == 0
-                and all((s * es) % unit == 0 for s in t.stride()[:2]))
+                and all((s * es) % unit == 0 for s in strides))
 
-    def _groups(self, layers: list[list[Any]], desc: Any) -> list[_Group]:
+    def _groups(self, layers: list[list[Any]], desc: Any, block_size: Any) -> list[_Group]:
         n = len(layers)
         if desc is None:
             desc = [list(range(n))]
@@ -156,26 +201,57 @@ class RegisteredLayout:
                 if li in seen:
                     raise invalid(f"{field}: layer {li} is in more than one group")
                 seen.add(li)
+            page_bs = self._page_block_size(block_size, gi, len(desc))
             first = layers[members[0]][0]
-            nb, bs = int(first.shape[0]), int(first.shape[1])
+            if not isinstance(first, self._torch.Tensor) or first.dim() < 2:
+                raise invalid(f"kv_caches[{members[0]}][0] must be a torch.Tensor of at "
+                              f"least 2 dims, got {getattr(first, 'shape', type(first))}")
+            nb = int(first.shape[0])
+            bs = page_bs if page_bs is not None else int(first.shape[1])
             for li in members:
                 for ti, t in enumerate(layers[li]):
-                    if (int(t.shape[0]), int(t.shape[1])) != (nb, bs):
+                    if not isinstance(t, self._torch.Tensor) or t.dim() < 2:
+                        continue  # _check_tensor names it
+                    mine = (int(t.shape[0]), bs if page_bs is not None else int(t.shape[1]))
+                    if mine != (nb, bs):
+                        what = "num_blocks" if page_bs is not None else \
+                            "[num_blocks, block_size]"
+                        got = mine[0] if page_bs is not None else list(t.shape[:2])
+                        want = nb if page_bs is not None else [nb, bs]
                         raise invalid(
-                            f"kv_caches[{li}][{ti}] has [num_blocks, block_size] = "
-                            f"{list(t.shape[:2])}, but its group {gi} uses {[nb, bs]}: "
-                            f"tensors of one layer group must share them")
+                            f"kv_caches[{li}][{ti}] has {what} = {got}, but its group "
+                            f"{gi} uses {want}: tensors of one layer group must share it")
                     if t.device != first.device:
                         raise invalid(f"kv_caches[{li}][{ti}] is on {t.device}, but its "
                                       f"group {gi} is on {first.device}")
-            groups.append(_Group(list(members), nb, bs, []))
+            groups.append(_Group(list(members), nb, bs, [], opaque=page_bs is not None))
         if len(seen) != n:
             missing = sorted(set(range(n)) - seen)
             raise invalid(f"store_layer_group_desc must place every layer in a group; "
                           f"missing {missing}")
         return groups
 
+    @staticmethod
+    def _page_block_size(block_size: Any, gi: int, n_groups: int) -> Any:
+        """Group ``gi``'s opaque-page block size (None: paged) from ``block_size``."""
+        if block_size is None:
+            return None
+        if isinstance(block_size, (list, tuple)):
+            if len(block_size) != n_groups:
+                raise invalid(f"block_size must be an int or one entry per layer group "
+                              f"({n_groups}), got {len(block_size)} entries")
+            value, field = block_size[gi], f"block_size[{gi}]"
+            if value is None:
+                return None
+        else:
+            value, field = block_size, "block_size"
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise invalid(f"{field} must be an int > 0 (tokens per block), got {value!r}")
+        return value
+
     def _info(self, t: Any, gi: int, li: int) -> _TensorInfo:
+        if self.groups[gi].opaque:
+            return self._page_info(t, gi, li)
         nb, bs = int(t.shape[0]), int(t.shape[1])
         elems = int(t[0, 0].numel())
         s0, s1 = t.stride()[:2]
@@ -189,15 +265,43 @@ class RegisteredLayout:
         return _TensorInfo(gi, li, t3, rows, blocks, elems * es, width, t.data_ptr(),
                            s0 * es, s1 * es, t.device.type == "cpu")
 
+    def _page_info(self, t: Any, gi: int, li: int) -> _TensorInfo:
+        """An opaque page per block: one row of ``[num_blocks, page units]``."""
+        nb = int(t.shape[0])
+        elems = int(t[0].numel())
+        es = t.element_size()
+        s0 = t.stride()[0]
+        pages = t.as_strided((nb, elems), (s0, 1)).view(self._torch.uint8).view(self.dtype)
+        width = int(pages.shape[1])
+        t3 = pages.view(nb, 1, width)
+        return _TensorInfo(gi, li, t3, None, pages, elems * es, width, t.data_ptr(),
+                           s0 * es, elems * es, t.device.type == "cpu",
+                           page_bytes=elems * es)
+
     # ------------------------------------------------------------ planning
     def slot_sizes(self, offsets: Sequence[int]) -> list[int]:
         """Object sizes of blocks of these token counts in the slot_mapping semantics
         (the same as ``plan_slots(...).sizes``, without planning any copy)."""
-        row_bytes = sum(t.token_bytes for t in self.tensors)
-        return [n * row_bytes for n in offsets]
+        self._check_pages(offsets, "offsets")
+        row_bytes = sum(t.token_bytes for t in self.tensors if not t.page_bytes)
+        page_bytes = sum(t.page_bytes for t in self.tensors)
+        return [n * row_bytes + page_bytes for n in offsets]
+
+    def _check_pages(self, counts: Sequence[int], field: str) -> None:
+        """Opaque groups move one whole block per hash (see the module docstring)."""
+        for gi, group in enumerate(self.groups):
+            if group.opaque:
+                bad = next((i for i, n in enumerate(counts) if n != group.block_size), None)
+                if bad is not None:
+                    raise invalid(
+                        f"{field}[{bad}] = {counts[bad]}: layer group {gi} is registered "
+                        f"as opaque pages (block_size={group.block_size}), so each hash "
+                        f"must name exactly one whole block of {group.block_size} tokens; "
+                        f"a token inside a block of such a layout cannot be addressed")
 
     def plan_slots(self, slots: list[int], offsets: list[int]) -> "V1Mover":
         torch = self._torch
+        self._check_pages(offsets, "offsets")
         slot_t = torch.tensor(slots, dtype=torch.int64)
         counts = torch.tensor(offsets, dtype=torch.int64)
         lo, hi = int(slot_t.min()), int(slot_t.max())
@@ -212,6 +316,14 @@ class RegisteredLayout:
         torch = self._torch
         per_group = []
         for gi, (group, chunks) in enumerate(zip(self.groups, chunk_descs)):
+            if group.opaque:
+                bad = next((i for i, c in enumerate(chunks) if c[1] != group.block_size),
+                           None)
+                if bad is not None:
+                    raise invalid(
+                        f"chunk_descs[{gi}][{bad}] = {tuple(chunks[bad])}: layer group {gi} "
+                        f"is registered as opaque pages (block_size={group.block_size}), so "
+                        f"each chunk must be exactly one whole block")
             desc = torch.tensor(chunks, dtype=torch.int64)
             starts, lengths = desc[:, 0], desc[:, 1]
             ends = starts + lengths
@@ -259,8 +371,17 @@ class V1Mover:
             if key not in cache:  # slot_mapping: every group shares one token list
                 cache[key] = _Tokens(torch, slots, counts, group.block_size)
             self.tokens.append(cache[key])
+        for gi, (group, tok) in enumerate(zip(layout.groups, self.tokens)):
+            if group.opaque and tok.block_ids is None:
+                raise invalid(
+                    f"layer group {gi} is registered as opaque pages (block_size="
+                    f"{group.block_size}): each hash must name one whole, block-aligned "
+                    f"block (slots b*{group.block_size} .. b*{group.block_size}+"
+                    f"{group.block_size - 1}, in order); this call names tokens inside "
+                    f"a block")
         # Byte offset of tensor t's rows inside object i: exclusive cumsum over tensors.
-        sizes = torch.stack([self.tokens[t.group].counts * t.token_bytes
+        sizes = torch.stack([torch.full_like(self.tokens[t.group].counts, t.page_bytes)
+                             if t.page_bytes else self.tokens[t.group].counts * t.token_bytes
                              for t in layout.tensors], dim=1)
         self.base = torch.cumsum(sizes, dim=1) - sizes
         self.sizes = [int(s) for s in sizes.sum(dim=1).tolist()]
@@ -285,36 +406,42 @@ class V1Mover:
         n_obj = len(self.sizes)
         synced = set()
         for seg, objs, offs in by_segment.values():
-            obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
-            obj_t = torch.tensor(objs, dtype=torch.int64)
-            obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
-            everything = len(objs) == n_obj
-            selected: dict[int, tuple[Any, Any, Any, Any]] = {}
-            for ti, info in enumerate(self.layout.tensors):
-                task.checkpoint()
-                tok = self.tokens[info.group]
-                sel = selected.get(id(tok))
-                if sel is None:
-                    sel = self._select(tok, obj_off, obj_t, everything)
-                    selected[id(tok)] = sel
-                slots, tobj, pos, blk_objs = sel
-                unit = self.layout.unit
-                if info.host and native.available():
-                    self._native_copy(seg, info, ti, tok, obj_off, sel, save)
-                elif tok.block_ids is not None and info.blocks is not None:
-                    dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
-                    width = info.blocks.shape[1]
-                    window = seg.window(self.layout.dtype, width)
-                    index = tok.block_ids[blk_objs]
-                    self._copy_rows(info.blocks, index, window, dest, save)
-                else:
-                    dest = (obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes) // unit
-                    window = seg.window(self.layout.dtype, info.width)
-                    self._copy_tokens(info, slots, window, dest, save)
-                if info.t3.device.type == "cuda" and not save:
-                    synced.add(info.t3.device)
+            with seg.use():
+                self._move_segment(seg, objs, offs, n_obj, task, save, synced)
         for device in synced:  # every byte is in the caller's cache before we return
             torch.cuda.synchronize(device)
+
+    def _move_segment(self, seg: Segment, objs: list[int], offs: list[int], n_obj: int,
+                      task: Task, save: bool, synced: set) -> None:
+        torch = self._torch
+        obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
+        obj_t = torch.tensor(objs, dtype=torch.int64)
+        obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
+        everything = len(objs) == n_obj
+        selected: dict[int, tuple[Any, Any, Any, Any]] = {}
+        for ti, info in enumerate(self.layout.tensors):
+            task.checkpoint()
+            tok = self.tokens[info.group]
+            sel = selected.get(id(tok))
+            if sel is None:
+                sel = self._select(tok, obj_off, obj_t, everything)
+                selected[id(tok)] = sel
+            slots, tobj, pos, blk_objs = sel
+            unit = self.layout.unit
+            if info.host and native.available():
+                self._native_copy(seg, info, ti, tok, obj_off, sel, save)
+            elif tok.block_ids is not None and info.blocks is not None:
+                dest = (obj_off[blk_objs] + self.base[blk_objs, ti]) // unit
+                width = info.blocks.shape[1]
+                window = seg.window(self.layout.dtype, width)
+                index = tok.block_ids[blk_objs]
+                self._copy_rows(info.blocks, index, window, dest, save)
+            else:
+                dest = (obj_off[tobj] + self.base[tobj, ti] + pos * info.token_bytes) // unit
+                window = seg.window(self.layout.dtype, info.width)
+                self._copy_tokens(info, slots, window, dest, save)
+            if info.t3.device.type == "cuda" and not save:
+                synced.add(info.t3.device)
 
     def _native_copy(self, seg: Segment, info: _TensorInfo, ti: int, tok: _Tokens,
                      obj_off: Any, sel: tuple[Any, Any, Any, Any], save: bool) -> None:
@@ -325,7 +452,8 @@ class V1Mover:
             bs = info.t3.shape[1]
             cache = info.ptr + tok.block_ids[blk_objs] * info.stride0
             pool = seg.address + obj_off[blk_objs] + self.base[blk_objs, ti]
-            length = info.token_bytes * bs if info.stride1 == info.token_bytes else None
+            length = info.page_bytes or (
+                info.token_bytes * bs if info.stride1 == info.token_bytes else None)
             if length is not None:
                 native.copy_runs(pool, cache, length) if save else \
                     native.copy_runs(cache, pool, length)

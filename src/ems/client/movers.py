@@ -31,18 +31,24 @@ class V0Mover:
 
     def to_pool(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]],
                 task: Task) -> None:
-        for i, (seg, offset) in zip(items, locs):
-            addr = seg.address + offset
-            for ptr, n in self.regions[i]:
-                task.checkpoint()
-                _copy.copy_bytes(addr, ptr, n)
-                addr += n
+        self._move(items, locs, task, True)
 
     def from_pool(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]],
                   task: Task) -> None:
-        for i, (seg, offset) in zip(items, locs):
-            addr = seg.address + offset
-            for ptr, n in self.regions[i]:
-                task.checkpoint()
-                _copy.copy_bytes(ptr, addr, n)
-                addr += n
+        self._move(items, locs, task, False)
+
+    def _move(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]], task: Task,
+              save: bool) -> None:
+        if not locs:
+            return
+        copy = _copy.copy_bytes
+        with locs[0][0].use():  # (one request's locations are in one segment)
+            for i, (seg, offset) in zip(items, locs):
+                addr = seg.address + offset
+                for ptr, n in self.regions[i]:
+                    task.checkpoint()
+                    if save:
+                        copy(addr, ptr, n)
+                    else:
+                        copy(ptr, addr, n)
+                    addr += n

@@ -38,8 +38,8 @@ Losing the daemon (it died, or restarted)::
   a request made while the daemon cannot be reached;
 * the next call (or ``Ems.check_health()``, which tries with a short timeout)
   reconnects by itself and authenticates again; the process never has to call
-  ``Ems.init`` again, so ``EMS_RECOVERD_ERROR`` is never raised (clients that re-init
-  on it keep working: a second ``Ems.init`` with the same config returns at once);
+  ``Ems.init`` again (``EMS_RECOVERD_ERROR`` is raised only by an ``Ems.init`` that
+  finds no daemon yet; a second ``Ems.init`` with the same config returns at once);
 * reservations and pins belong to a connection: tokens of a broken connection are
   never sent on its successor (a commit of them raises ``EMS_IO_ERROR``), and the
   daemon dropped what that connection held;
@@ -73,6 +73,7 @@ from ems.client.session import (
     _bad_reply,
     _io_error,
     _Session,
+    fresh,
 )
 from ems.client.transport import GrantStatus, Slot, Transport
 from ems.errors import EmsErrorCode, EmsException
@@ -127,8 +128,8 @@ class RemoteTransport(Transport):
     @classmethod
     def connect(cls, sock_path: str, access_id: Optional[str], access_key: Optional[str],
                 timeout_s: float, spin_s: float = 0.0) -> "RemoteTransport":
-        """Connect and authenticate within ``timeout_s``; raises ``EMS_UNAVAILABLE`` (no
-        daemon answers), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
+        """Connect and authenticate within ``timeout_s``; raises ``EMS_RECOVERD_ERROR``
+        (no daemon answers yet), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
         ``EMS_PROTOCOL_ERROR``."""
         session = _Session.open(sock_path, access_id, access_key, timeout_s, gen=1)
         return cls(sock_path, access_id, access_key, timeout_s, session, spin_s)
@@ -155,7 +156,9 @@ class RemoteTransport(Transport):
                     raise
                 raise _io_error(f"ems-server is unreachable: {exc.message()}") from exc
             self._gen = session.gen
-            self._session = session
+            old, self._session = self._session, session
+            if old is not None and old.segment is not None:
+                old.segment.retire()  # unmapped now, or when its last copy ends
             logger.info("ems: reconnected to ems-server at %s", self.path)
             return session
         finally:
@@ -196,12 +199,53 @@ class RemoteTransport(Transport):
         except socket.timeout:
             if not bounded:
                 session.fail(_io_error(f"ems-server did not answer within {LIVENESS_S:.0f} s"))
-                raise session.broken from None  # type: ignore[misc]
+                raise fresh(session.broken) from None  # type: ignore[arg-type]
             what = task.what if task is not None else "the request"
             raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                                f"ems-server did not answer {what} within "
                                f"{wait_s * 1000:.0f} ms") from None
         return session, reply
+
+    def _ready(self, task: Optional[Task]) -> _Session:
+        """The live connection for a batch of several requests (reconnecting within the
+        task's time when it broke)."""
+        session = self._session
+        if session is not None and session.broken is None:
+            return session
+        if task is None:
+            wait_s = CONTROL_TIMEOUT_S
+        elif task.deadline is None:
+            wait_s = LIVENESS_S
+        else:
+            wait_s = task.deadline - time.monotonic()
+            if wait_s <= 0:
+                raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, f"{task.what} ran out of time")
+        return self._live(wait_s)
+
+    def _sliced(self, n: int, make: Callable[[int, int, int], Any], cls: type,
+                task: Optional[Task], more: Callable[[Any, int], bool],
+                undo: Callable[[_Session, list], None]) -> tuple[_Session, list]:
+        """A batch of ``n`` entries as requests of at most the daemon's ``max_keys``
+        entries each (``Limits.max_keys_per_request``), in order on one connection:
+        ``make(rid, lo, hi)`` builds slice ``[lo, hi)``; ``more(reply, hi - lo)`` says
+        whether the next slice is still wanted (a load stops at its first miss). If a
+        slice fails, ``undo(session, replies)`` gives back what the earlier ones got."""
+        session = self._ready(task)
+        step, replies, lo = session.max_keys, [], 0
+        try:
+            while True:
+                hi = min(n, lo + step)
+                _, reply = self._call(lambda rid, lo=lo, hi=hi: make(rid, lo, hi), task, session)
+                if type(reply) is not cls:
+                    raise _bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
+                replies.append(reply)
+                if hi >= n or not more(reply, hi - lo):
+                    return session, replies
+                lo = hi
+        except BaseException:
+            if replies:
+                undo(session, replies)
+            raise
 
     # ------------------------------------------------------------ Transport
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
@@ -211,9 +255,21 @@ class RemoteTransport(Transport):
             if slots is not None:
                 return slots
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
-        session, reply = self._call(lambda rid: m.Reserve(rid, list(keys), list(sizes)), task)
-        if not isinstance(reply, m.Granted) or len(reply.statuses) != len(keys):
-            raise _bad_reply(f"{type(reply).__name__} for a Reserve of {len(keys)} keys")
+        keys, sizes = list(keys), list(sizes)
+
+        def undo(session: _Session, replies: list) -> None:
+            for r in replies:
+                self._undo_granted(session, r)
+        session, replies = self._sliced(
+            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi]),
+            m.Granted, task, lambda r, n: len(r.statuses) == n, undo)
+        reply = replies[0] if len(replies) == 1 else m.Granted(
+            replies[0].rid, *([x for r in replies for x in getattr(r, f)]
+                              for f in ("statuses", "tokens", "offsets", "sizes")))
+        if len(reply.statuses) != len(keys):
+            undo(session, replies)
+            raise _bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
+                             f"{len(keys)} keys")
         slots = []
         try:
             for i, status_value in enumerate(reply.statuses):
@@ -225,8 +281,7 @@ class RemoteTransport(Transport):
                 else:
                     slots.append(Slot(status))
         except (ValueError, EmsException) as exc:
-            session.post(m.Abort([t for s, t in zip(reply.statuses, reply.tokens)
-                                  if s == GrantStatus.NEW]))
+            self._undo_granted(session, reply)
             if isinstance(exc, EmsException):
                 raise
             raise _bad_reply(f"an unknown grant status: {exc}") from None
@@ -238,6 +293,17 @@ class RemoteTransport(Transport):
             if task.deadline is None or task.deadline > cutoff:
                 task.deadline = cutoff
         return slots
+
+    def _undo_granted(self, session: _Session, reply: m.Granted) -> None:
+        tokens = [t for s, t in zip(reply.statuses, reply.tokens) if s == GrantStatus.NEW]
+        self._post_list(session, tokens, m.Abort)
+
+    def _post_list(self, session: _Session, tokens: Sequence[int],
+                   kind: Callable[[list], m.Message]) -> None:
+        """One-way messages of raw tokens, in slices the daemon takes."""
+        step = session.max_keys
+        for lo in range(0, len(tokens), step):
+            session.post(kind(list(tokens[lo:lo + step])))
 
     def _reserve_local(self, session: _Session, keys: Sequence[str], sizes: Sequence[int],
                        task: Task) -> Optional[list[Slot]]:
@@ -287,15 +353,18 @@ class RemoteTransport(Transport):
             return [ok[t] for t in tokens]
         raw = [t & _TOKEN_MASK for t in tokens]
         try:
-            _, reply = self._call(lambda rid: m.Commit(rid, raw), task, session)
+            _, replies = self._sliced(
+                len(raw), lambda rid, lo, hi: m.Commit(rid, raw[lo:hi]), m.Committed, task,
+                lambda r, n: True, lambda s, r: None)
         except EmsException:
             # Nobody aborts after a failed commit: do it here. If the commit did reach
             # the daemon, this comes after it on the same connection and is a no-op.
-            session.post(m.Abort(raw))
+            self._post_list(session, raw, m.Abort)
             raise
-        if not isinstance(reply, m.Committed) or len(reply.ok) != len(tokens):
-            raise _bad_reply(f"{type(reply).__name__} for a Commit of {len(tokens)} tokens")
-        return list(reply.ok)
+        ok = [x for r in replies for x in r.ok]
+        if len(ok) != len(tokens):
+            raise _bad_reply(f"Committed of {len(ok)} for a Commit of {len(tokens)} tokens")
+        return ok
 
     def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
                       task: Task) -> Optional[list[bool]]:
@@ -402,7 +471,7 @@ class RemoteTransport(Transport):
             mover.from_pool(range(len(reply.tokens)),
                             [(segment, offset) for offset in reply.offsets], task)
         finally:
-            session.post(m.Release(reply.tokens))
+            self._post_list(session, reply.tokens, m.Release)
         return len(reply.tokens)
 
     def _pin(self, keys: Sequence[str], sizes: Sequence[int], task: Task
@@ -410,14 +479,29 @@ class RemoteTransport(Transport):
         """Acquire, and check that every pinned range is in the segment and of the
         expected size (else unpin and raise)."""
         keys, sizes = list(keys), list(sizes)
-        session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task)
-        if type(reply) is not m.Pinned or len(reply.tokens) > len(keys):
-            raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
+        session = self._session
+        if (session is not None and session.broken is None
+                and len(keys) <= session.max_keys):  # the usual case: one request
+            session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task)
+            if type(reply) is not m.Pinned:
+                raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
+        else:
+            def release(session: _Session, replies: list) -> None:
+                self._post_list(session, [t for r in replies for t in r.tokens], m.Release)
+            session, replies = self._sliced(
+                len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi]],
+                m.Pinned, task, lambda r, n: len(r.tokens) == n, release)
+            reply = replies[0] if len(replies) == 1 else m.Pinned(
+                replies[0].rid, *([x for r in replies for x in getattr(r, f)]
+                                  for f in ("tokens", "offsets", "sizes")))
+        if len(reply.tokens) > len(keys):
+            self._post_list(session, reply.tokens, m.Release)
+            raise _bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(keys)} keys")
         try:
             for offset, size, want in zip(reply.offsets, reply.sizes, sizes):
                 self._check_range(session, offset, size, want)
         except EmsException:
-            session.post(m.Release(reply.tokens))
+            self._post_list(session, reply.tokens, m.Release)
             raise
         return session, reply  # type: ignore[return-value]
 
@@ -425,11 +509,16 @@ class RemoteTransport(Transport):
         self._post_tokens(tokens, m.Release)
 
     def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+        keys = list(keys)
         want = None if sizes is None else list(sizes)
-        _, reply = self._call(lambda rid: m.Exists(rid, list(keys), want), None)
-        if not isinstance(reply, m.Count) or reply.n > len(keys):
-            raise _bad_reply(f"{type(reply).__name__} for an Exists of {len(keys)} keys")
-        return reply.n
+        _, replies = self._sliced(
+            len(keys), lambda rid, lo, hi: m.Exists(rid, keys[lo:hi],
+                                                    None if want is None else want[lo:hi]),
+            m.Count, None, lambda r, n: r.n == n, lambda s, r: None)
+        n = sum(r.n for r in replies)
+        if n > len(keys) or any(r.n > len(keys) for r in replies):
+            raise _bad_reply(f"a Count of {n} for an Exists of {len(keys)} keys")
+        return n
 
     def health(self) -> bool:
         try:
@@ -464,7 +553,7 @@ class RemoteTransport(Transport):
         if session is not None:
             session.close()
             if session.segment is not None:
-                session.segment.close()
+                session.segment.retire()
 
     # ------------------------------------------------------------ internals
     def _post_tokens(self, tokens: Sequence[int], kind: Callable[[list], m.Message]) -> None:
@@ -474,7 +563,7 @@ class RemoteTransport(Transport):
             return
         raw = [t & _TOKEN_MASK for t in tokens if t >> _GEN_SHIFT == session.gen]
         if raw:
-            session.post(kind(raw))
+            self._post_list(session, raw, kind)
 
     @staticmethod
     def _check_range(session: _Session, offset: int, size: int, expected: int) -> None:

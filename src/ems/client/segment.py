@@ -1,10 +1,29 @@
-"""A mapped region of pool memory, seen by the client as an address and a tensor."""
+"""A mapped region of pool memory, seen by the client as an address and a tensor.
+
+A segment of a daemon's pool lives as long as its connection, plus the copies that
+were running when the connection was replaced::
+
+    MAPPED --retire() (a new connection mapped the new pool)--> RETIRED
+       |                                                           | last copy ends
+       +--close()--------------------------------------------------+--> UNMAPPED
+
+Copies run inside ``with segment.use():`` (the movers), so ``retire`` never unmaps
+memory a copy is writing: a copy that started before the daemon died finishes from
+this mapping (which stays valid), and the mapping goes with the last one. Relying on
+the garbage collector instead left the old pool mapped after every daemon restart
+(an exception a client kept held the old session through its traceback): a host held
+two pools' worth of shared memory.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
-from typing import Any, Optional
+import threading
+from typing import Any, Iterator, Optional
+
+from ems.errors import EmsErrorCode, EmsException
 
 __all__ = ["Segment"]
 
@@ -21,6 +40,39 @@ class Segment:
         self.address = ctypes.addressof(self._cbuf)
         self._tensor: Any = None
         self._windows: dict[tuple[Any, int], Any] = {}
+        self._lock = threading.Lock()
+        self._users = 0
+        self._retired = False
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator["Segment"]:
+        """Hold the mapping for a copy (raises ``EMS_IO_ERROR`` once it is unmapped)."""
+        with self._lock:
+            if self._mm is None:
+                raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                                   "the pool memory of a lost ems-server connection was "
+                                   "released; retry the call")
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self._retired and self._users == 0
+            if last:
+                self.close()
+
+    def retire(self) -> None:
+        """Unmap as soon as no copy uses the mapping (now, when none does)."""
+        with self._lock:
+            self._retired = True
+            idle = self._users == 0
+        if idle:
+            self.close()
+
+    @property
+    def mapped(self) -> bool:
+        return self._mm is not None
 
     def tensor(self) -> Any:
         """The whole segment as a 1-D ``torch.uint8`` tensor sharing its memory."""

@@ -12,6 +12,24 @@ The connection also holds this process's lease of pool space (small saves).
 A synchronous call's leader polls for its reply for ``spin_s`` (``EMS_SPIN_US``)
 before it sleeps in ``poll``: the reply is tens of microseconds away, and a sleeping
 thread pays a wake-up and cold caches (on a VM, its vCPU halts).
+
+Deadlines cover sending too. The socket is non-blocking: a request is written with
+``send`` + ``poll(POLLOUT)`` until the request's deadline, and a thread waiting for
+another sender waits for the send lock no longer than that (a frozen daemon stops
+reading, its socket buffer fills, and a blocking ``sendall`` waited for the whole
+freeze: a load of a few thousand keys with ``timeout=500`` returned after seconds, ~30
+s for a daemon that never woke). A send that times out before its first byte leaves
+the connection as it was; one that times out mid-frame has corrupted the stream, so
+the connection is failed and the next call opens a new one. One-way messages (release,
+abort, return) wait at most :data:`POST_WAIT_S`; one that cannot go out in that time
+fails the connection, and the daemon then drops every pin and reservation of it
+(nothing leaks; the slack of a call's deadline is this wait plus the copy step in
+progress).
+
+The connection's failure is stored once (``broken``) and every raise gets a fresh copy
+of it: a raised exception collects a traceback whose frames hold the session, and a
+client that keeps the exception would keep the session -- and its pool mapping --
+alive.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import FrameDecoder, auth_mac, encode, encode_wire
 from ems.protocol import messages as m
 
-__all__ = ["LIVENESS_S"]
+__all__ = ["LIVENESS_S", "probe"]
 
 _monotonic = time.monotonic
 
@@ -42,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: A request without a deadline gives up (and drops the connection) after this long.
 LIVENESS_S = 30.0
+#: Longest a one-way message (release, abort, return) waits to be sent.
+POST_WAIT_S = 0.1
 
 _GEN_SHIFT = 56  # client token = connection generation << 56 | daemon token
 _LOCAL = 1 << (_GEN_SHIFT - 1)  # a slot of the lease (its key is kept here)
@@ -55,6 +75,44 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux; elsewhere POLLHUP st
 
 def _io_error(message: str) -> EmsException:
     return EmsException(EmsErrorCode.EMS_IO_ERROR, message)
+
+
+def fresh(exc: EmsException) -> EmsException:
+    """A copy of ``exc`` without a traceback (see the module docstring)."""
+    return type(exc)(exc.status_code(), exc.message())
+
+
+def _not_yet(message: str) -> EmsException:
+    """The daemon cannot be reached *yet*: a later ``Ems.init`` may succeed."""
+    return EmsException(EmsErrorCode.EMS_RECOVERD_ERROR, message)
+
+
+def probe(path: str, timeout_s: float) -> bool:
+    """Whether a daemon answers on ``path`` within ``timeout_s`` (a Ping before any
+    handshake, which the daemon answers in its HELLO phase). Never raises."""
+    deadline = time.monotonic() + timeout_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(max(timeout_s, 0.001))
+        sock.connect(path)
+        sock.sendall(encode(m.Ping(1)))
+        decoder = FrameDecoder(4096)
+        while True:
+            msg = decoder.next_message()
+            if msg is not None:
+                return isinstance(msg, m.Pong)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            sock.settimeout(remaining)
+            data = sock.recv(4096)
+            if not data:
+                return False
+            decoder.feed(data)
+    except (OSError, EmsException):
+        return False
+    finally:
+        sock.close()
 
 
 def _bad_reply(message: str) -> EmsException:
@@ -107,6 +165,8 @@ class _Session:
         self.segment = segment
         self.gen = gen
         self.broken: Optional[EmsException] = None
+        #: the daemon's limits (Welcome): batches are sent in slices of this many keys
+        self.max_keys = max(1, welcome.max_keys)
         self._decoder = decoder
         self._lock = threading.Lock()
         self._lead_free = threading.Condition(self._lock)
@@ -127,9 +187,11 @@ class _Session:
         #: a save of at most this many bytes goes through the lease
         self._small_save_bytes = m.lease_bytes(segment.size) // 4 if segment else 0
         self._local_ids = itertools.count(1)
-        sock.settimeout(LIVENESS_S)  # bounds sendall to a daemon that stopped reading
+        sock.setblocking(False)  # every wait is a poll bounded by a deadline
         self._read_poll = select.poll()  # the leader's
         self._read_poll.register(sock.fileno(), select.POLLIN)
+        self._write_poll = select.poll()  # the sender's (under the send lock)
+        self._write_poll.register(sock.fileno(), select.POLLOUT)
         self._wake_r, self._wake_w = os.pipe()  # wakes the watcher (O_CLOEXEC)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -155,20 +217,16 @@ class _Session:
             try:
                 sock.connect(path)
             except FileNotFoundError:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"no ems-server socket at {path}; start ems-server or "
-                                   f"set EMS_SOCKET_DIR") from None
+                raise _not_yet(f"no ems-server socket at {path} (start ems-server, or set "
+                               f"EMS_SOCKET_DIR)") from None
             except ConnectionRefusedError:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"nothing listens on {path} (a stale socket: "
-                                   f"ems-server is not running)") from None
+                raise _not_yet(f"nothing listens on {path} (a stale socket: ems-server is "
+                               f"not running)") from None
             except socket.timeout:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"ems-server at {path} did not accept within "
-                                   f"{timeout_s:.1f} s") from None
+                raise _not_yet(f"ems-server at {path} did not accept within "
+                               f"{timeout_s:.1f} s") from None
             except OSError as exc:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"cannot connect to {path}: {exc}") from exc
+                raise _not_yet(f"cannot connect to {path}: {exc}") from exc
             decoder = FrameDecoder()
             sock.sendall(encode(m.Hello(access_id, admin)))
             msg = cls._handshake_reply(sock, decoder, fds, deadline, path, timeout_s)
@@ -208,9 +266,8 @@ class _Session:
                 return msg
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EmsException(EmsErrorCode.EMS_UNAVAILABLE,
-                                   f"ems-server at {path} did not answer within "
-                                   f"{timeout_s:.1f} s")
+                raise _not_yet(f"ems-server at {path} did not answer within "
+                               f"{timeout_s:.1f} s")
             sock.settimeout(remaining)
             try:
                 data, got, flags, _ = socket.recv_fds(sock, 1 << 16, 4)
@@ -237,21 +294,21 @@ class _Session:
         waiter = _Waiter()
         with self._lock:
             if self.broken is not None:
-                raise self.broken
+                raise fresh(self.broken)
             rid = next(self._rids)
             self._pending[rid] = waiter
         try:
             msg = msg_for(rid)  # a message, or its wire form (hot requests: no object)
             # (either may raise: a batch too big for a frame)
             data = encode_wire(msg) if type(msg) is list else encode(msg)
+            self._send_bytes(data, deadline)
         except BaseException:
             with self._lock:
                 self._pending.pop(rid, None)
             raise
-        self._send_bytes(data)
         reply = self._await(rid, waiter, deadline, spin_s)
         if isinstance(reply, EmsException):
-            raise reply
+            raise fresh(reply)
         if isinstance(reply, m.Error):
             raise reply.exception()
         return reply
@@ -346,7 +403,7 @@ class _Session:
                     continue
                 try:
                     data = recv(1 << 16)
-                except socket.timeout:  # a false positive of poll
+                except (BlockingIOError, InterruptedError):  # a false positive of poll
                     continue
                 if not data:
                     raise _io_error("ems-server closed the connection")
@@ -363,22 +420,51 @@ class _Session:
             self.fail(EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"reader failed: {exc}"))
 
     def post(self, msg: m.Message) -> None:
-        """A one-way message (abort, release); silently dropped on a broken connection."""
+        """A one-way message (abort, release, return), sent within :data:`POST_WAIT_S`;
+        silently dropped on a broken connection. One that cannot be sent in time fails
+        the connection: the daemon then drops what the message would have given back."""
         if self.broken is None:
             try:
-                self._send_bytes(encode(msg))
+                self._send_bytes(encode(msg), _monotonic() + POST_WAIT_S)
+            except socket.timeout:
+                self.fail(_io_error(f"ems-server did not take a {type(msg).__name__} "
+                                    f"within {POST_WAIT_S * 1000:.0f} ms; the connection "
+                                    f"is dropped (the daemon frees what it held)"))
             except EmsException:
                 pass
 
-    def _send_bytes(self, data: bytes) -> None:
-        with self._send_lock:
+    def _send_bytes(self, data: bytes, deadline: float) -> None:
+        """Send one whole frame by ``deadline`` (a monotonic time), else raise
+        ``socket.timeout``: with the connection as it was when no byte went out, failed
+        when part of the frame did (see the module docstring)."""
+        if not self._send_lock.acquire(timeout=max(0.0, deadline - _monotonic())):
+            raise socket.timeout("another sender holds the socket")
+        try:
             if self.broken is not None:
-                raise self.broken
-            try:
-                self.sock.sendall(data)
-            except OSError as exc:  # includes a timeout: the stream is now corrupt
-                self.fail(_io_error(f"lost the connection to ems-server: {exc}"))
-                raise self.broken from exc  # type: ignore[misc]
+                raise fresh(self.broken)
+            view, sent, total = memoryview(data), 0, len(data)
+            send, wait = self.sock.send, self._write_poll.poll
+            while True:
+                try:
+                    sent += send(view[sent:] if sent else view)
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as exc:
+                    self.fail(_io_error(f"lost the connection to ems-server: {exc}"))
+                    raise fresh(self.broken) from exc  # type: ignore[arg-type]
+                if sent == total:
+                    return
+                remaining = deadline - _monotonic()
+                if remaining > 0 and wait(math.ceil(remaining * 1000)):
+                    continue
+                if remaining > 0:  # (poll woke early: go on waiting)
+                    continue
+                if sent:
+                    self.fail(_io_error(f"a send to ems-server ran out of time after {sent} "
+                                        f"of {total} bytes; the connection is replaced"))
+                raise socket.timeout("ems-server does not read its socket")
+        finally:
+            self._send_lock.release()
 
     # ------------------------------------------------------------ lease
     def take(self, keys: Sequence[str], sizes: Sequence[int]
@@ -398,8 +484,9 @@ class _Session:
 
     def fits_lease(self, sizes: Sequence[int]) -> bool:
         """Whether a save of ``sizes`` is small enough to go through the lease (at most
-        a quarter of it, counting each value's alignment)."""
-        return sum(sizes) + _ALIGN * len(sizes) <= self._small_save_bytes
+        a quarter of it, counting each value's alignment, and one Put of keys)."""
+        return (len(sizes) <= self.max_keys
+                and sum(sizes) + _ALIGN * len(sizes) <= self._small_save_bytes)
 
     def take_ranges(self, sizes: Sequence[int], want: bool) -> Optional[tuple[list[int], bool]]:
         """Offsets of ranges for ``sizes`` cut from the lease (None when it is short),
@@ -518,6 +605,7 @@ class _Session:
 
     def fail(self, exc: EmsException) -> None:
         """Mark the connection broken: every waiter gets ``exc``; idempotent."""
+        exc = fresh(exc)  # never the raised one: its traceback holds this session
         with self._lock:
             if self.broken is not None:
                 return

@@ -228,6 +228,16 @@ class Pool:
         self._leased += need
         return offset
 
+    def leased_by(self, owner: Hashable) -> int:
+        """Bytes of ``owner``'s lease not carved into objects yet."""
+        lease = self._leases.get(owner)
+        return sum(lease.sizes.values()) if lease is not None else 0
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes of every owner's leases not carved into objects yet."""
+        return self._leased
+
     def carve(self, keys: Sequence[Hashable], offsets: Sequence[int], sizes: Sequence[int],
               owner: Hashable) -> list[GrantStatus]:
         """Commit values that ``owner`` wrote into its lease, one range per key.
@@ -332,17 +342,21 @@ class Pool:
             pins.append(Pin(token, obj.offset, obj.size))
         return pins
 
-    def release(self, tokens: Sequence[int], owner: Hashable = None) -> None:
-        """Unpin what :meth:`acquire` pinned."""
+    def release(self, tokens: Sequence[int], owner: Hashable = None) -> int:
+        """Unpin what :meth:`acquire` pinned; how many pins were released (tokens that
+        are not ``owner``'s pins are ignored)."""
+        released = 0
         for token in tokens:
             entry = self._pins.get(token)
             if entry is None or entry[1] != owner:
                 continue
             del self._pins[token]
+            released += 1
             obj = entry[0]
             obj.pins -= 1
             if obj.pins == 0:
                 self._policy.insert(obj.key)
+        return released
 
     def exists(self, keys: Sequence[Hashable], sizes: Optional[Sequence[Optional[int]]] = None
                ) -> int:

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 MAGIC = b"EM"
-PROTOCOL_VERSION = 2  # 2: leases (Lease, Put, Return)
+PROTOCOL_VERSION = 3  # 2: leases (Lease, Put, Return); 3: Welcome.max_keys, Ping before Hello
 HEADER = struct.Struct(">2sBBI")  # 8 bytes
 _pack_header = HEADER.pack
 _unpack_header = HEADER.unpack_from

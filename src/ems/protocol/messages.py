@@ -9,6 +9,7 @@ closes.
 A connection goes through two phases::
 
     client                                   daemon
+    Ping(rid)                        ->      Pong(rid)   (a probe: allowed before Hello)
     Hello(access_id, admin)          ->
                                      <-      Challenge(nonce)       (access_id given)
     Auth(mac)                        ->
@@ -295,13 +296,16 @@ class Auth(Message):
 @_message(4)
 class Welcome(Message):
     """Session accepted. A tenant session comes with the tenant's memfd (SCM_RIGHTS):
-    ``segment_size`` bytes of pool memory, named ``segment_id`` in this daemon."""
+    ``segment_size`` bytes of pool memory, named ``segment_id`` in this daemon.
+    ``max_keys``: the most keys (or tokens, or ranges) one request may carry."""
 
     tenant: str = _field(_str)
     segment_id: int = _field(_uint)
     segment_size: int = _field(_uint)
     reservation_ttl_s: float = _field(_num)
     server: str = _field(_str)
+    #: the daemon's max_keys_per_request: the client sends batches in such slices
+    max_keys: int = _field(_uint)
 
 
 # ----------------------------------------------------------------------- requests

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spin-us", dest="spin_us", type=int,
                    help="busy-poll this long after a request before sleeping, in "
                         "microseconds (default 200; 0: never; env EMS_SERVER_SPIN_US)")
+    p.add_argument("--limit", action="append", metavar="NAME=VALUE",
+                   help="a bound on what one client may hold or send (repeatable), e.g. "
+                        "max_keys_per_request=4096; see ems.server.config.Limits")
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p

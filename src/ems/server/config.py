@@ -15,6 +15,7 @@ reservation TTL        ``--reservation-ttl-s`` ``reservation_ttl_s``   ``EMS_RES
 socket permissions     ``--socket-mode``       ``socket_mode``         -
 log level              ``--log-level``         ``log_level``           ``EMS_LOG_LEVEL``
 busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SERVER_SPIN_US``
+limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
@@ -52,13 +53,110 @@ from typing import Any, Mapping, Optional
 from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
 from ems.errors import EmsException, invalid
 
-__all__ = ["ANONYMOUS", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
+__all__ = ["ANONYMOUS", "Limits", "SDK_MAX_KEY_BYTES", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
            "read_toml", "resolve_quotas"]
 
-ANONYMOUS = "(anonymous)"  # display name; not a valid access_id, so it cannot clash
+ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
-              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us"}
+              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us", "limits"}
+#: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
+#: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
+SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds that keep one local process (any user who can reach the socket) from
+    hurting the others. Each has a default, a ``[limits]`` key in the config file and
+    ``--limit NAME=VALUE``, a refusal the client understands, and a counter in
+    ``ems stats`` (``server.refused``):
+
+    ==========================  ========  ==============================================
+    limit                       default   over it
+    ==========================  ========  ==============================================
+    max_keys_per_request        4096      the request is refused (EMS_INVALID_ARGUMENT);
+                                          the SDK splits larger calls into such slices
+    max_key_bytes               1032      refused (EMS_INVALID_ARGUMENT); the SDK's own
+                                          key rule never makes a longer key
+    max_pins_per_connection     65536     the Acquire pins what fits: later keys miss
+    max_frame_bytes             8 MiB     the connection is closed (EMS_PROTOCOL_ERROR)
+    max_buffered_bytes          64 MiB    partial frames of all connections together:
+                                          the connection that goes over is closed
+    max_connections_per_uid     256       refused at accept (EMS_RECOVERD_ERROR)
+    max_connections_per_tenant  1024      refused at hello (EMS_RECOVERD_ERROR); the
+                                          anonymous namespace counts as one tenant
+    max_leases_per_connection   4         no lease (small saves take reserve/commit)
+    lease_share                 0.25      of a tenant's pool all leases may hold; over
+                                          it: no lease
+    handshake_timeout_s         10        a connection that has not finished its
+                                          handshake by then is closed
+    ==========================  ========  ==============================================
+
+    A request is handled inline by the event loop: at ~2-3 us per key, 4096 keys keep
+    other connections waiting ~10 ms at most (300k keys in one frame stalled them for
+    0.5-1.3 s before these limits existed).
+    """
+
+    max_keys_per_request: int = 4096
+    max_key_bytes: int = SDK_MAX_KEY_BYTES
+    max_pins_per_connection: int = 65536
+    max_frame_bytes: int = 8 << 20
+    max_buffered_bytes: int = 64 << 20
+    max_connections_per_uid: int = 256
+    max_connections_per_tenant: int = 1024
+    max_leases_per_connection: int = 4
+    lease_share: float = 0.25
+    handshake_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float):
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and 0 < value and (value <= 1 or f.name != "lease_share"))
+                rule = "a number in (0, 1]" if f.name == "lease_share" else "a number > 0"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+                rule = "an int > 0"
+            if not ok:
+                raise invalid(f"limits.{f.name} must be {rule}, got {value!r}")
+        if self.max_key_bytes < SDK_MAX_KEY_BYTES:
+            raise invalid(f"limits.max_key_bytes must be >= {SDK_MAX_KEY_BYTES} (the "
+                          f"longest key the SDK makes), got {self.max_key_bytes}")
+        need = self.max_keys_per_request * (self.max_key_bytes + 16) + 4096
+        if self.max_frame_bytes < need:
+            raise invalid(f"limits.max_frame_bytes must hold a request of "
+                          f"max_keys_per_request keys of max_key_bytes ({need} bytes), "
+                          f"got {self.max_frame_bytes}")
+        if self.max_buffered_bytes < self.max_frame_bytes:
+            raise invalid("limits.max_buffered_bytes must be >= limits.max_frame_bytes")
+
+    @classmethod
+    def parse(cls, items: Mapping[str, Any], where: str) -> "Limits":
+        """From a ``[limits]`` table or ``--limit`` pairs (sizes may be ``8M``)."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for name, raw in items.items():
+            f = names.get(name)
+            if f is None:
+                raise invalid(f"{where}: unknown limit {name!r}; known: "
+                              f"{', '.join(sorted(names))}")
+            if f.type in ("float", float):
+                try:
+                    kw[name] = float(raw)
+                except (TypeError, ValueError):
+                    raise invalid(f"{where}: limits.{name} must be a number, got "
+                                  f"{raw!r}") from None
+            elif name.endswith("_bytes"):
+                kw[name] = parse_bytes(raw, f"limits.{name}")
+            else:
+                try:
+                    kw[name] = int(raw)
+                except (TypeError, ValueError):
+                    raise invalid(f"{where}: limits.{name} must be an int, got "
+                                  f"{raw!r}") from None
+        return cls(**kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +184,8 @@ class ServerConfig:
     log_level: str = "INFO"
     #: busy-poll this long after a request before sleeping (0: never)
     spin_us: int = 200
+    #: bounds on what one client may hold or send (see :class:`Limits`)
+    limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if not self.socket_dir:
@@ -126,9 +226,16 @@ class ServerConfig:
             if env.get(var):
                 values[key] = _from_env(var, key, env[var])
         quotas = dict(values.pop("quotas", {}))
-        for key in _FILE_KEYS - {"quotas"}:
+        limits = dict(values.pop("limits", {}))
+        for key in _FILE_KEYS - {"quotas", "limits"}:
             if flags.get(key) is not None:
                 values[key] = flags[key]
+        for item in flags.get("limit") or ():
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise invalid(f"--limit takes NAME=VALUE, got {item!r}")
+            limits[name.strip()] = value.strip()
+        values["limits"] = Limits.parse(limits, "limits")
         for item in flags.get("quota") or ():
             ident, sep, size = item.partition("=")
             if not sep:
@@ -162,6 +269,8 @@ class ServerConfig:
             kw["log_level"] = _str(v["log_level"], "log_level").upper()
         if "spin_us" in v:
             kw["spin_us"] = v["spin_us"]
+        if "limits" in v:
+            kw["limits"] = v["limits"]
         kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}
         return cls(**kw)
 
@@ -227,10 +336,15 @@ def _from_file(path: str) -> dict[str, Any]:
                       f"{', '.join(sorted(_FILE_KEYS))}")
     if "quotas" in data and not isinstance(data["quotas"], dict):
         raise invalid(f"{path}: quotas must be a table of access_id = size")
+    if "limits" in data and not isinstance(data["limits"], dict):
+        raise invalid(f"{path}: limits must be a table of name = value")
     return data
 
 
 def _check_id(ident: str, where: str) -> None:
+    if ident == ANONYMOUS:
+        raise invalid(f"{where}: {ident!r} is the anonymous namespace's display name and "
+                      f"cannot be a tenant's access_id")
     try:
         validate_ems_config(EmsConfig(access_id=ident, access_key="A" * 32))
     except EmsException as exc:
@@ -280,6 +394,7 @@ def load_tenants(path: str) -> dict[str, str]:
                       f"access_id = \"access_key\" (unknown: {', '.join(unknown) or '-'})")
     tenants: dict[str, str] = {}
     for ident, key in data.get("tenants", {}).items():
+        _check_id(ident, f"tenants file {path}")
         try:
             validate_ems_config(EmsConfig(access_id=ident, access_key=key))
         except EmsException as exc:

@@ -17,10 +17,29 @@ A connection goes through these phases::
                  +------------------+--(refused, malformed, timeout)--> closed
 
 Whatever closes a connection (EOF, a malformed or wrong-version frame, a client that
-does not read its replies, a handshake not finished within ``HANDSHAKE_TIMEOUT_S``),
+does not read its replies, a handshake not finished within ``handshake_timeout_s``),
 ``Pool.drop_owner`` then gives back its pins, reservations and lease, and the other
 connections are not affected. A timer calls ``Pool.expire`` so a reservation whose
 writer hangs is freed after the reservation TTL.
+
+Every resource a client can make the daemon hold is bounded (``ServerConfig.limits``,
+:class:`~ems.server.config.Limits`): keys per request and key length (refused), pins
+per connection (an Acquire pins what fits), bytes buffered in partial frames across
+all connections (the connection that goes over is closed), connections per uid (at
+accept) and per tenant (at hello), lease space per connection and per tenant (no
+lease: small saves then take reserve/commit). Each refusal is counted
+(``report()["server"]["refused"]``).
+
+Accept under fd pressure (EMFILE): the listener stays readable while accept fails, so
+polling it again at once spins a core (and, logging each failure, wrote megabytes of
+log per second). Instead the daemon closes the oldest connection that never finished
+its handshake, stops polling the listener for a backoff (50 ms doubling to 1 s, reset
+by the next successful accept) and warns at most once per ``_WARN_EVERY_S``; the
+connected clients are served meanwhile::
+
+    LISTENING --accept fails: EMFILE--> PAUSED (listener out of epoll, backoff)
+        ^                                  |
+        +----- backoff over: poll again ---+
 """
 
 from __future__ import annotations
@@ -28,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import errno
 import fcntl
 import logging
 import os
@@ -50,14 +70,13 @@ from ems.protocol import (
     encode_wire,
 )
 from ems.protocol import messages as m
-from ems.server.config import ServerConfig
+from ems.server.config import Limits, ServerConfig
 from ems.server.tenants import Tenant, TenantRegistry
 
 __all__ = ["Daemon", "DaemonError"]
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
 HANDSHAKE_FRAME_BYTES = 4096  # no handshake message is bigger; limits unauthenticated memory
 MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is dropped
 #: Bytes asked of one recv. Not more: CPython allocates that much for every recv, and
@@ -66,6 +85,13 @@ _RECV_BYTES = 64 << 10
 _PEERCRED = struct.Struct("3i")
 #: A readable connection: data, EOF or an error (recv tells which).
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+#: accept failures that mean "no fd or memory for a new connection now"
+_PRESSURE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.05, 1.0
+_WARN_EVERY_S = 10.0
+#: requests whose field ``i`` is a list of keys (or of tokens / ranges) to bound
+_KEYS_AT = {m.Reserve: 1, m.Acquire: 1, m.Exists: 1, m.Put: 1}
+_LISTS_AT = {m.Commit: 1, m.Abort: 0, m.Release: 0, m.Return: 0}
 
 
 class DaemonError(Exception):
@@ -96,6 +122,8 @@ class _Conn:
     out: collections.deque = dataclasses.field(default_factory=collections.deque)
     out_bytes: int = 0
     writing: bool = False
+    pins: int = 0  # pins this connection holds (bounded by max_pins_per_connection)
+    buffered: int = 0  # bytes of its partial frames counted in Daemon._buffered
 
     def __str__(self) -> str:
         who = self.tenant.name if self.tenant else ("admin" if self.admin else "-")
@@ -120,6 +148,15 @@ class Daemon:
         self._stopping = False
         self._started = time.monotonic()
         self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
+        self.limits: Limits = config.limits
+        #: refusals by limit name (``ems stats``: server.refused)
+        self.refused: collections.Counter = collections.Counter()
+        self._buffered = 0  # bytes of partial frames of every connection
+        self._per_uid: collections.Counter = collections.Counter()
+        self._listen_paused_until = 0.0  # fd pressure: not polling the listener until
+        self._backoff_s = _BACKOFF_MIN_S
+        self._warned_at = -_WARN_EVERY_S
+        self._unwarned = 0
 
     # ------------------------------------------------------------ start / stop
     def start(self) -> None:
@@ -209,13 +246,18 @@ class Daemon:
                     os.sched_yield()  # anything else runnable on this CPU goes first
                     events = poll(0)
                 if not events:
-                    events = poll(max(0.0, next_tick - time.monotonic()))
+                    wake_at = next_tick
+                    if self._listen_paused_until:
+                        wake_at = min(wake_at, self._listen_paused_until)
+                    events = poll(max(0.0, wake_at - time.monotonic()))
                 if spin_s and events:
                     busy_until = time.monotonic() + spin_s
                 for fd, mask in events:
                     data = self._by_fd.get(fd)
                     if data is not None:
                         self._dispatch(data, mask)
+                if self._listen_paused_until and time.monotonic() >= self._listen_paused_until:
+                    self._resume_listener()
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + self._tick_s
@@ -283,7 +325,7 @@ class Daemon:
         if freed:
             logger.info("ems-server: freed %d reservation(s) older than %.1f s (writer gone "
                         "or stuck)", freed, self.config.reservation_ttl_s)
-        limit = time.monotonic() - HANDSHAKE_TIMEOUT_S
+        limit = time.monotonic() - self.limits.handshake_timeout_s
         for conn in list(self._conns.values()):
             if conn.phase in (_Phase.HELLO, _Phase.AUTH) and conn.opened_at < limit:
                 self._fail(conn, EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
@@ -296,20 +338,74 @@ class Daemon:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: keep serving the others
-                logger.warning("ems-server: accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno in _PRESSURE:
+                    self._under_pressure(exc)
+                else:  # a connection that died in the backlog: keep serving
+                    logger.debug("ems-server: accept failed: %s", exc)
                 return
+            self._backoff_s = _BACKOFF_MIN_S
             sock.setblocking(False)
             try:
                 pid, uid, _gid = _PEERCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             except OSError:
                 pid = uid = -1
+            if self._per_uid[uid] >= self.limits.max_connections_per_uid:
+                self._refuse_at_accept(sock, uid)
+                continue
+            self._per_uid[uid] += 1
             self._ids += 1
             conn = _Conn(self._ids, sock, pid, uid, time.monotonic())
             self._conns[conn.id] = conn
             self._watch(sock, conn)
             logger.debug("ems-server: %s opened", conn)
+
+    def _refuse_at_accept(self, sock: socket.socket, uid: int) -> None:
+        self.refused["max_connections_per_uid"] += 1
+        message = (f"uid {uid} holds {self._per_uid[uid]} connections to this ems-server, "
+                   f"its limit (max_connections_per_uid); retry once some have closed")
+        self._warn_limited(f"ems-server: refused a connection: {message}")
+        try:
+            sock.send(encode(m.Error(0, EmsErrorCode.EMS_RECOVERD_ERROR.value, message)))
+        except OSError:
+            pass
+        sock.close()
+
+    def _under_pressure(self, exc: OSError) -> None:
+        """No fd (or memory) for a new connection: make room and back off (see the
+        module docstring)."""
+        self.refused["accept_fd_pressure"] += 1
+        idle = [c for c in self._conns.values() if c.phase in (_Phase.HELLO, _Phase.AUTH)]
+        if idle:
+            oldest = min(idle, key=lambda c: c.opened_at)
+            self._fail(oldest, EmsException(EmsErrorCode.EMS_RECOVERD_ERROR,
+                                            "ems-server is out of file descriptors; "
+                                            "connections that never finished their "
+                                            "handshake go first"))
+        if self._listener is not None and not self._listen_paused_until:
+            self._unwatch(self._listener)
+        self._listen_paused_until = time.monotonic() + self._backoff_s
+        self._warn_limited(f"ems-server: accept failed ({exc.strerror}): not accepting "
+                           f"for {self._backoff_s * 1000:.0f} ms; {len(self._conns)} "
+                           f"connection(s) open")
+        self._backoff_s = min(_BACKOFF_MAX_S, self._backoff_s * 2)
+
+    def _resume_listener(self) -> None:
+        self._listen_paused_until = 0.0
+        if self._listener is not None:
+            self._watch(self._listener, "listen")
+
+    def _warn_limited(self, message: str) -> None:
+        """A warning at most once per ``_WARN_EVERY_S`` (with how many were held back)."""
+        now = time.monotonic()
+        if now - self._warned_at < _WARN_EVERY_S:
+            self._unwarned += 1
+            return
+        if self._unwarned:
+            message += f" ({self._unwarned} similar message(s) suppressed)"
+        logger.warning("%s", message)
+        self._warned_at, self._unwarned = now, 0
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -333,6 +429,16 @@ class Daemon:
                     return
             if conn.decoder.failed is not None:  # a corrupt frame after good ones
                 raise conn.decoder.failed
+            held = conn.decoder.buffered
+            self._buffered += held - conn.buffered
+            conn.buffered = held
+            if held and self._buffered > self.limits.max_buffered_bytes:
+                self.refused["max_buffered_bytes"] += 1
+                raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                                   f"ems-server holds {self._buffered} bytes of partial "
+                                   f"frames, more than max_buffered_bytes "
+                                   f"({self.limits.max_buffered_bytes}); this connection's "
+                                   f"{held} bytes are dropped")
         except EmsException as exc:
             self._fail(conn, exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the daemon
@@ -407,7 +513,12 @@ class Daemon:
         if conn.phase is _Phase.CLOSED:
             return
         conn.phase = _Phase.CLOSED
-        self._conns.pop(conn.id, None)
+        if self._conns.pop(conn.id, None) is not None:
+            self._per_uid[conn.uid] -= 1
+            if self._per_uid[conn.uid] <= 0:
+                del self._per_uid[conn.uid]
+        self._buffered -= conn.buffered
+        conn.buffered = 0
         self._unwatch(conn.sock)
         conn.sock.close()
         conn.out.clear()
@@ -418,7 +529,11 @@ class Daemon:
 
     # ------------------------------------------------------------ messages
     def _handle(self, conn: _Conn, msg: m.Message) -> None:
-        if conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
+        if conn.phase is _Phase.HELLO and isinstance(msg, m.Ping):
+            # A liveness probe before any handshake (``Ems.check_health()`` before a
+            # successful init): answered, and the connection stays in HELLO.
+            self._send(conn, m.Pong(msg.rid))
+        elif conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
             self._hello(conn, msg)
         elif conn.phase is _Phase.AUTH and isinstance(msg, m.Auth):
             self._auth(conn, msg)
@@ -461,17 +576,26 @@ class Daemon:
         self._welcome(conn, tenant)
 
     def _welcome(self, conn: _Conn, tenant: Optional[Tenant]) -> None:
+        if tenant is not None and tenant.connections >= self.limits.max_connections_per_tenant:
+            self.refused["max_connections_per_tenant"] += 1
+            message = (f"tenant {tenant.name} holds {tenant.connections} connections, its "
+                       f"limit (max_connections_per_tenant); retry once some have closed")
+            self._warn_limited(f"ems-server: refused {conn}: {message}")
+            self._send(conn, m.Error(0, EmsErrorCode.EMS_RECOVERD_ERROR.value, message))
+            self._close(conn, message)
+            return
         conn.phase = _Phase.READY
-        conn.decoder.max_frame_bytes = MAX_FRAME_BYTES
+        conn.decoder.max_frame_bytes = min(MAX_FRAME_BYTES, self.limits.max_frame_bytes)
         server = f"ems-server pid {os.getpid()} protocol {PROTOCOL_VERSION}"
         ttl = self.config.reservation_ttl_s
+        max_keys = self.limits.max_keys_per_request
         if tenant is None:
-            self._send(conn, m.Welcome("", 0, 0, ttl, server))
+            self._send(conn, m.Welcome("", 0, 0, ttl, server, max_keys))
         else:
             conn.tenant = tenant
             tenant.connections += 1
             self._send(conn, m.Welcome(tenant.name, tenant.segment_id, tenant.segment_size,
-                                       ttl, server), fds=(tenant.fd,))
+                                       ttl, server, max_keys), fds=(tenant.fd,))
         logger.debug("ems-server: %s ready", conn)
 
     def _request(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
@@ -480,6 +604,16 @@ class Daemon:
         handler = _HANDLERS.get(cls)
         tenant = conn.tenant
         if handler is not None and tenant is not None:
+            at = _KEYS_AT.get(cls)
+            if at is not None and not self._keys_within_limits(conn, cls, v, at):
+                return
+            at = _LISTS_AT.get(cls)
+            if at is not None and len(v[at]) > self.limits.max_keys_per_request:
+                self.refused["max_keys_per_request"] += 1
+                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT,
+                                   f"{cls.__name__} of {len(v[at])} entries exceeds "
+                                   f"max_keys_per_request "
+                                   f"({self.limits.max_keys_per_request})")
             handler(self, conn, tenant.pool, v)
         elif cls is m.Ping:
             self._reply(conn, m.Pong, v[0])
@@ -491,6 +625,29 @@ class Daemon:
         elif "rid" in cls._NAMES:  # an admin session (one-way messages get no answer)
             self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value,
                         "an admin session has no pool")
+
+    def _keys_within_limits(self, conn: _Conn, cls: type[m.Message], v: list[Any],
+                            at: int) -> bool:
+        """Refuse (an error reply, False) a request over the key limits."""
+        keys, limits = v[at], self.limits
+        problem = None
+        if len(keys) > limits.max_keys_per_request:
+            problem = ("max_keys_per_request",
+                       f"{cls.__name__} of {len(keys)} keys exceeds max_keys_per_request "
+                       f"({limits.max_keys_per_request}); split the batch")
+        elif keys and max(map(len, keys)) * 4 > limits.max_key_bytes:  # (chars * 4 >= bytes)
+            for i, key in enumerate(keys):
+                n = len(key.encode())
+                if n > limits.max_key_bytes:
+                    problem = ("max_key_bytes",
+                               f"{cls.__name__}: key {i} is {n} bytes, more than "
+                               f"max_key_bytes ({limits.max_key_bytes})")
+                    break
+        if problem is None:
+            return True
+        self.refused[problem[0]] += 1
+        self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value, problem[1])
+        return False
 
     def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         rid, keys, sizes = v
@@ -515,7 +672,7 @@ class Daemon:
             pool.carve(keys, offsets, sizes, conn.id)
         except ValueError as exc:  # only its own lease: anything else ends the connection
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
-        offset, size = self._lease(pool, conn.id) if want_lease else (0, 0)
+        offset, size = self._lease(pool, conn) if want_lease else (0, 0)
         # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
         self._reply(conn, m.Stored, rid, [True] * len(keys), offset, size)
 
@@ -523,25 +680,40 @@ class Daemon:
         pool.unlease(v[0], v[1], conn.id)
 
     def _on_lease(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        self._reply(conn, m.Leased, v[0], *self._lease(pool, conn.id))
+        self._reply(conn, m.Leased, v[0], *self._lease(pool, conn))
 
     def _on_acquire(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         rid, keys, sizes = v
+        room = self.limits.max_pins_per_connection - conn.pins
+        if room < len(keys):  # pin what fits: the keys after it miss
+            self.refused["max_pins_per_connection"] += 1
+            keys = keys[:max(room, 0)]
+            sizes = None if sizes is None else sizes[:len(keys)]
         pins = pool.acquire(keys, sizes, conn.id)
+        conn.pins += len(pins)
         self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
                     [p.size for p in pins])
 
     def _on_release(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        pool.release(v[0], conn.id)
+        conn.pins -= pool.release(v[0], conn.id)
 
     def _on_exists(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         self._reply(conn, m.Count, v[0], pool.exists(v[1], v[2]))
 
-    @staticmethod
-    def _lease(pool: Pool, owner: int) -> tuple[int, int]:
-        """A fresh lease for ``owner``: (offset, size), or (0, 0) when there is no room."""
+    def _lease(self, pool: Pool, conn: _Conn) -> tuple[int, int]:
+        """A fresh lease for ``conn``: (offset, size), or (0, 0) when there is no room or
+        a lease limit says no (the client then saves through reserve/commit)."""
         size = m.lease_bytes(pool.capacity_bytes)
-        offset = pool.lease(size, owner) if size else None
+        if not size:
+            return 0, 0
+        limits = self.limits
+        if pool.leased_by(conn.id) + size > limits.max_leases_per_connection * size:
+            self.refused["max_leases_per_connection"] += 1
+            return 0, 0
+        if pool.leased_bytes + size > limits.lease_share * pool.capacity_bytes:
+            self.refused["lease_share"] += 1
+            return 0, 0
+        offset = pool.lease(size, conn.id)
         return (0, 0) if offset is None else (offset, size)
 
     # ------------------------------------------------------------ statistics
@@ -566,6 +738,10 @@ class Daemon:
                 "tenants": len(self.registry.named()),
                 "reservation_ttl_s": self.config.reservation_ttl_s,
                 "spin_us": self.config.spin_us,
+                "limits": dataclasses.asdict(self.limits),
+                "refused": dict(self.refused),
+                "buffered_bytes": self._buffered,
+                "accepting": not self._listen_paused_until,
             },
             "tenants": {},
         }

@@ -29,6 +29,14 @@ logger = logging.getLogger(__name__)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
+def _memfd_name(tenant: str) -> str:
+    """A memfd's name (shown in /proc/PID/maps; at most 249 bytes): the tenant's name in
+    safe characters, cut short (ids may be 512 characters of any printable kind)."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.@") else "_"
+                   for c in tenant[:64])
+    return f"ems-pool-{safe}"
+
+
 class Tenant:
     """A namespace's pool, memory and counters (owned by the daemon's loop)."""
 
@@ -39,7 +47,7 @@ class Tenant:
         self.segment_size = self.pool.capacity_bytes
         # A random id: segments of a restarted daemon never look like the old ones.
         self.segment_id = secrets.randbits(48)
-        self.fd = os.memfd_create(f"ems-pool-{self.name}",
+        self.fd = os.memfd_create(_memfd_name(self.name),
                                   os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.segment_size)
