@@ -23,9 +23,10 @@ deadlines and the health loop. States::
 
 Layouts: the worker registers vLLM's real cache tensors; the scheduler (in its own
 process in vLLM's default mode, without tensors) registers a *mirror*: tensors of
-the same per-block shape and dtype with one block, on the ``meta`` device where the
-SDK accepts that, so that ``exists`` computes the same storage keys as the worker's
-saves. A mirror never replaces a real registration in the same process.
+the same per-block shape and dtype with one block on the ``meta`` device (the SDK
+registers their layout without memory), so that ``exists`` computes the same storage
+keys as the worker's saves. A mirror never replaces a real registration in the same
+process (this session skips it, and the SDK would keep the real one anyway).
 
 The lookup deadline is kept here, not trusted to the transport: ``exists`` runs on a
 small pool of threads and the caller waits at most ``lookup_timeout_ms``; when every
@@ -160,19 +161,7 @@ class PoolSession:
         if cc is None or self._layout is None:
             return
         caches, block_size = self._layout
-        try:
-            register_layout(cc, caches, block_size)
-        except Exception as exc:  # noqa: BLE001 - an older SDK may fail on meta tensors
-            if self._layout_real or (isinstance(exc, EmsException) and exc.status_code()
-                                     is not EmsErrorCode.EMS_INVALID_ARGUMENT):
-                raise
-            # An SDK that does not take meta tensors: the mirror as one real block
-            # per tensor (a page per layer; the key does not depend on num_blocks).
-            import torch
-            caches = [[torch.empty(tuple(t.shape), dtype=t.dtype) for t in layer]
-                      for layer in caches]
-            self._layout = (caches, block_size)
-            register_layout(cc, caches, block_size)
+        cc.register_kvcache(caches, None, block_size=block_size)
 
     @property
     def registered(self) -> bool:
@@ -314,19 +303,3 @@ class PoolSession:
             except Exception:  # noqa: BLE001 - the health loop never dies
                 logger.exception("ems: health probe failed")
 
-
-def register_layout(cc: Any, kv_caches: list[list[Any]], block_size: Optional[int]) -> None:
-    """``cc.register_kvcache`` with opaque pages of ``block_size`` tokens.
-
-    The SDK's ``register_kvcache(kv_caches, block_size=N)`` takes each tensor's
-    ``t[block]`` as an opaque page. An SDK without that parameter gets the same pages
-    as a paged view ``[num_blocks, block_size, page_elems / block_size]``: only whole
-    blocks are ever moved, so the bytes of a page travel as one unit either way."""
-    if block_size is None:
-        cc.register_kvcache(kv_caches)
-        return
-    try:
-        cc.register_kvcache(kv_caches, None, block_size=block_size)
-    except TypeError:
-        views = [[t.view(t.shape[0], block_size, -1) for t in layer] for layer in kv_caches]
-        cc.register_kvcache(views)

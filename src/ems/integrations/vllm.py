@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -174,18 +173,6 @@ class _Counters:
 
 
 # ---------------------------------------------------------------- helpers
-_ID_OK = re.compile(r"[0-9a-z._-]{1,100}")
-
-
-def _ident(text: str) -> str:
-    """An id every SDK version accepts (``0-9 a-z . - _``): ``text`` itself when it
-    fits, else a readable, lower-cased form plus 8 hex digits of its blake2b."""
-    if _ID_OK.fullmatch(text):
-        return text
-    readable = re.sub(r"[^0-9a-z._-]+", "-", text.lower()).strip("-")[-60:] or "id"
-    return f"{readable}-{hashlib.blake2b(text.encode(), digest_size=4).hexdigest()}"
-
-
 def _key64(block_hash: Any) -> int:
     """The engine's block hash (bytes, or an int) as a signed 64-bit int."""
     if isinstance(block_hash, int):
@@ -318,10 +305,9 @@ class EmsConnector(KVConnectorBase_V1):
         model = self.settings.model_id or vllm_config.model_config.served_model_name
         if isinstance(model, (list, tuple)):
             model = model[0]
-        v1 = CcConfig_v1(rank_id=rank, device_id=device, model_id=_ident(str(model)),
+        v1 = CcConfig_v1(rank_id=rank, device_id=device, model_id=str(model),
                          tp_world_size=tp, pp_world_size=pp, rank_in_tp_group=tp_rank,
-                         rank_in_pp_group=pp_rank,
-                         llm_engine=_ident(f"vllm-{self.settings.service}"))
+                         rank_in_pp_group=pp_rank, llm_engine=f"vllm@{self.settings.service}")
         if self._is_mla:
             v1.kvcache_type = KVCacheType.MLA
         return EmsConfig(access_id=self.settings.access_id,
