@@ -8,8 +8,8 @@ the venv as subprocesses, each with a timeout and killed by its PID (its process
 group) on failure:
 
 * run A (one process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): model A without the
-  connector (the reference outputs of every prompt), then with the connector: it
-  stores the long shared prefix;
+  connector (the reference outputs of every prompt), then with the connector and
+  chunked prefill of 128 tokens a step: it stores the long shared prefix;
 * run B (vLLM's default mode: scheduler and worker in other processes, a fresh
   engine): a partial-prefix prompt first, then the full prompts, loaded from the pool;
 * run C (one process): model B without the connector, model B WITH the connector
@@ -140,7 +140,10 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         ref, store = engines("A", [
             {"name": "reference", "model": model_a, "connector": False,
              "steps": [{"name": "all", "prompts": all_a}]},
+            # chunked prefill: 128 tokens a step, so most blocks are saved from the
+            # request's later steps (scheduled_cached_reqs), not from its first
             {"name": "store", "model": model_a, "connector": True, "extra": extra,
+             "max_batched": 4 * BS,
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
         ], single)
         results["reference"] = dict(zip(
