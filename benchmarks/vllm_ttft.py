@@ -11,6 +11,8 @@ only one engine computes at any moment, and alternates the order round by round 
 shared 2-core machine drifts; only side-by-side rounds compare):
 
 * ``off``  -- no connector, a new prompt each round (the cold baseline);
+* ``off2`` -- the same in a second process: the noise floor of comparing two
+  engine processes on this machine (``off2`` vs ``off``);
 * ``miss`` -- the connector on, a new prompt each round: the lookup misses and the
   prompt's blocks are saved (the cost of a miss: ``miss`` vs ``off``);
 * ``hit``  -- the connector on, a fresh engine in another process: that round's
@@ -189,17 +191,18 @@ def main(argv: list[str]) -> int:
         env = dict(env, **server.client_env())
         try:
             off = Engine("off", python, model, False, env, tmp, kv_mib)
+            off2 = Engine("off2", python, model, False, env, tmp, kv_mib)
             miss = Engine("miss", python, model, True, env, tmp, kv_mib)
             hit = Engine("hit", python, model, True, env, tmp, kv_mib)
-            engines = [off, miss, hit]
+            engines = [off, off2, miss, hit]
             for e in engines:  # start them one after the other: 2 cores
                 e.call({})
             for rnd in range(total):  # round 0 is a warm-up, not reported
-                p_off, p_miss = tok(n), tok(n)
+                p_off, p_off2, p_miss = tok(n), tok(n), tok(n)
                 p_hit = p_miss[:n - tail] + tok(tail)
-                order = [(off, p_off), (miss, p_miss)]
-                if rnd % 2:
-                    order.reverse()
+                order = [(off, p_off), (off2, p_off2), (miss, p_miss)]
+                k = rnd % 3  # each engine first, second and third in turn
+                order = order[k:] + order[:k]
                 row = {"round": rnd}
                 for e, p in order:
                     time.sleep(args.gap_s)
@@ -209,6 +212,7 @@ def main(argv: list[str]) -> int:
                 row["hit"] = hit.call({"prompt": p_hit})
                 rows.append(row)
                 print(f"round {rnd}: off {row['off']['ttft_s']*1e3:.0f} ms, "
+                      f"off2 {row['off2']['ttft_s']*1e3:.0f} ms, "
                       f"miss {row['miss']['ttft_s']*1e3:.0f} ms, "
                       f"hit {row['hit']['ttft_s']*1e3:.0f} ms "
                       f"(cached {row['hit']['cached']})", file=sys.stderr)
@@ -219,8 +223,16 @@ def main(argv: list[str]) -> int:
         pool_stats = server.stats()["tenants"]
     shutil.rmtree(tmp, ignore_errors=True)
     measured = rows[1:]
-    med = {k: statistics.median(r[k]["ttft_s"] for r in measured) for k in ("off", "miss", "hit")}
+    med = {k: statistics.median(r[k]["ttft_s"] for r in measured)
+           for k in ("off", "off2", "miss", "hit")}
     overhead = [r["miss"]["ttft_s"] / r["off"]["ttft_s"] - 1 for r in measured]
+    control = [r["off2"]["ttft_s"] / r["off"]["ttft_s"] - 1 for r in measured]
+    miss_worker, miss_sched = stats["miss"]["worker"], stats["miss"]["scheduler"]
+    # the connector's own time per miss request on the critical path: the lookup
+    # (the save runs beside the engine, its blocks held until it is done)
+    per_req = {"lookup_ms": 1e3 * miss_sched["lookup_s"] / max(1, miss_sched["lookups"]),
+               "save_ms_beside": 1e3 * miss_worker["save_s"] / total,
+               "load_ms_hit": 1e3 * stats["hit"]["worker"]["load_s"] / total}
     hit_tokens = statistics.median(r["hit"]["cached"] for r in measured)
     result = {
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads,
@@ -229,6 +241,9 @@ def main(argv: list[str]) -> int:
         "ttft_median_s": med,
         "miss_overhead_median": statistics.median(overhead),
         "miss_overhead_per_round": overhead,
+        "control_off2_vs_off_median": statistics.median(control),
+        "control_off2_vs_off_per_round": control,
+        "connector_ms_per_request": per_req,
         "speedup_hit_vs_off": med["off"] / med["hit"],
         "hit_tokens_median": hit_tokens, "hit_rate": hit_tokens / n,
         "kv_bytes_per_token": per_token,
@@ -241,10 +256,16 @@ def main(argv: list[str]) -> int:
           f"{args.rounds} rounds (medians)")
     print(f"{'case':<34}{'TTFT ms':>10}")
     print(f"{'off   (no connector, cold)':<34}{med['off']*1e3:>10.1f}")
+    print(f"{'off2  (the same, 2nd process)':<34}{med['off2']*1e3:>10.1f}")
     print(f"{'miss  (connector, cold: lookup+save)':<34}{med['miss']*1e3:>10.1f}")
     print(f"{'hit   (connector, prefix in ems)':<34}{med['hit']*1e3:>10.1f}")
     print(f"miss overhead: {result['miss_overhead_median']*100:+.1f}% (median of rounds; "
           f"per round {', '.join(f'{o*100:+.1f}%' for o in overhead)})")
+    print(f"control off2 vs off: {result['control_off2_vs_off_median']*100:+.1f}% (median; "
+          f"per round {', '.join(f'{o*100:+.1f}%' for o in control)})")
+    print(f"connector per request: lookup {per_req['lookup_ms']:.2f} ms (critical path), "
+          f"save {per_req['save_ms_beside']:.1f} ms (beside the engine), "
+          f"load on a hit {per_req['load_ms_hit']:.1f} ms")
     print(f"hit: {hit_tokens:.0f} of {n} tokens from ems ({result['hit_rate']*100:.1f}%), "
           f"TTFT {result['speedup_hit_vs_off']:.1f}x faster than cold")
     print(f"wrote {args.out}")

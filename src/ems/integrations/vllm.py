@@ -107,8 +107,8 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 
 # ---------------------------------------------------------------- statistics
 _COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
-             "tokens_load_failed", "tokens_saved", "tokens_save_failed", "load_s", "save_s",
-             "failures")
+             "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
+             "save_s", "failures")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +122,9 @@ class ConnectorStatistics:
     tokens_load_failed: int = 0
     tokens_saved: int = 0
     tokens_save_failed: int = 0
-    load_s: float = 0.0
-    save_s: float = 0.0
+    lookup_s: float = 0.0  # the scheduler's lookups (on the request's critical path)
+    load_s: float = 0.0  # the worker's loads (the forward waits for them)
+    save_s: float = 0.0  # the saves (beside the engine, on the save thread)
     failures: int = 0  # pool failures (a call that got no cache)
 
 
@@ -371,13 +372,15 @@ class EmsConnector(KVConnectorBase_V1):
         first = num_computed_tokens // bs
         plan = self._plans.setdefault(request.request_id, _Plan(request))
         hits = 0
-        if self._can_load and last > first:
+        if (self._can_load and last > first
+                and not getattr(request, "skip_reading_prefix_cache", False)):
+            t0 = time.perf_counter()
             hashes = self._hashes(plan, last)[first:]
             hits = self._session.lookup(hashes, [bs] * len(hashes)) if hashes else 0
             if hits * bs < max(self.settings.min_load_tokens, 1):
                 hits = 0
             self._counters.add(lookups=1, tokens_looked_up=len(hashes) * bs,
-                               tokens_hit=hits * bs)
+                               tokens_hit=hits * bs, lookup_s=time.perf_counter() - t0)
         # vLLM's own cache had ``first`` blocks: they need no save either
         self._lookups[request.request_id] = (first, hits)
         return hits * bs, False
@@ -559,8 +562,8 @@ class EmsConnector(KVConnectorBase_V1):
         self._last_log = now
         s = self.statistics()
         logger.info("ems: %s: %d lookups, tokens looked up %d / hit %d / loaded %d "
-                    "(failed %d) / saved %d (failed %d), load %.3f s, save %.3f s, "
-                    "pool %s, %d failures", role, s.lookups, s.tokens_looked_up,
+                    "(failed %d) / saved %d (failed %d), lookup %.3f s, load %.3f s, "
+                    "save %.3f s, pool %s, %d failures", role, s.lookups, s.tokens_looked_up,
                     s.tokens_hit, s.tokens_loaded, s.tokens_load_failed, s.tokens_saved,
-                    s.tokens_save_failed, s.load_s, s.save_s,
+                    s.tokens_save_failed, s.lookup_s, s.load_s, s.save_s,
                     self._session.state.value, s.failures)
