@@ -6,7 +6,8 @@ it as a subprocess with a timeout).
 
 SPEC: {"engines": [{"name", "model", "connector": bool, "extra": {...},
                     "max_tokens", "steps": [{"name", "prompts": [[ids]], "kill_pid"?}]}]}
-Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``wait_file`` is
+Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``pause_pid`` /
+``resume_pid`` SIGSTOPped / SIGCONTed (a hung pool), ``wait_file`` is
 waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
 ``signal_file`` is written (how the test restarts the pool between two steps). OUT: per engine, per step: the greedy tokens and
 ``num_cached_tokens`` of every prompt, and the connector's statistics (single-process
@@ -63,8 +64,10 @@ def run_engine(spec: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),
                         detokenize=False, ignore_eos=True)
     for step in spec["steps"]:
-        if step.get("kill_pid"):
-            os.kill(int(step["kill_pid"]), signal.SIGKILL)
+        for key, sig in (("kill_pid", signal.SIGKILL), ("pause_pid", signal.SIGSTOP),
+                         ("resume_pid", signal.SIGCONT)):
+            if step.get(key):
+                os.kill(int(step[key]), sig)
         if step.get("wait_file"):
             deadline = time.monotonic() + step.get("wait_s", 60)
             while not os.path.exists(step["wait_file"]):
@@ -74,7 +77,7 @@ def run_engine(spec: dict) -> dict:
         time.sleep(step.get("sleep_s", 0))
         t1 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp,
-                            use_tqdm=False)
+                            use_tqdm=False) if step["prompts"] else []
         result["steps"].append({
             "name": step["name"], "s": round(time.perf_counter() - t1, 3),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -15,8 +15,8 @@ group) on failure:
 * run C (one process): model B without the connector, model B WITH the connector
   under model A's keys (the negative control: the loaded KV is used, so the outputs
   change); then a fresh model-A engine loads the prefix (the connector's counters),
-  the pool is SIGKILLed and new prompts are served, the pool is restarted and the
-  engine saves into it again.
+  the pool hangs (SIGSTOP) and comes back, the pool is SIGKILLed and new prompts are
+  served, the pool is restarted and the engine saves into it again.
 
 The tests below assert on what those runs wrote.
 """
@@ -87,7 +87,8 @@ def _prompts() -> dict[str, list[list[int]]]:
         "shared": [prefix + tok(17), prefix + tok(BS + 9), prefix + tok(3)],
         # shares only the first 4 blocks of the prefix
         "partial": [prefix[:4 * BS] + tok(150)],
-        # served while the pool is dead, and after it is back
+        # served while the pool hangs (SIGSTOP), then while it is dead, and after
+        "hung": [prefix[:3 * BS] + tok(100)],
         "after_kill": [tok(6 * BS + 5), prefix[:2 * BS] + tok(70)],
         "after_restart": [tok(5 * BS + 1)],
     }
@@ -111,7 +112,8 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
                f"{model_b}@1"], base_env, 300, log)
     assert rc == 0, _tail(log)
     p = _prompts()
-    all_a = p["shared"] + p["partial"] + p["after_kill"] + p["after_restart"]
+    kinds = ("shared", "partial", "hung", "after_kill", "after_restart")
+    all_a = [q for k in kinds for q in p[k]]
     extra = {"model_id": "tiny-llama-a", "lookup_timeout_ms": 500, "health_interval_s": 0.5,
              "log_interval_s": 0}
     results: dict = {"prompts": p, "log": log}
@@ -147,10 +149,7 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
         ], single)
         results["reference"] = dict(zip(
-            ("shared", "partial", "after_kill", "after_restart"),
-            _split(ref["steps"][0]["tokens"], [len(p[k]) for k in
-                                                ("shared", "partial", "after_kill",
-                                                 "after_restart")])))
+            kinds, _split(ref["steps"][0]["tokens"], [len(p[k]) for k in kinds])))
         results["store"] = store
         results["objects_after_store"] = _objects(server)
         # run B: a fresh engine in vLLM's default (multiprocess) mode loads it
@@ -170,6 +169,9 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
             {"name": "load-kill", "model": model_a, "connector": True, "extra": extra,
              "steps": [{"name": "shared", "prompts": p["shared"]},
+                       {"name": "hung", "prompts": p["hung"], "pause_pid": server.pid},
+                       {"name": "resumed", "prompts": [], "resume_pid": server.pid,
+                        "sleep_s": 2.0},
                        {"name": "after_kill", "prompts": p["after_kill"],
                         "kill_pid": server.pid, "signal_file": killed},
                        {"name": "after_restart", "prompts": p["after_restart"],
@@ -279,13 +281,27 @@ def test_negative_control_loaded_kv_is_used(runs):
     assert own["tokens"] != runs["reference"]["shared"]  # the models do differ
 
 
+def test_pool_hung_engine_serves_identical_outputs(runs):
+    """SIGSTOPped daemon: the lookup gives up after its 500 ms deadline, once."""
+    step = _step(runs["load_kill"], "hung")
+    assert step["tokens"] == runs["reference"]["hung"]
+    assert step["cached"] == [3 * BS]  # vLLM's own cache; nothing from the hung pool
+    s = step["stats"]["scheduler"]
+    before = _step(runs["load_kill"], "shared")["stats"]["scheduler"]
+    assert s["lookups"] - before["lookups"] == 1 and s["tokens_hit"] == before["tokens_hit"]
+    assert s["lookup_s"] - before["lookup_s"] < 5.0  # the deadline, not the pool, ended it
+
+
 def test_pool_killed_engine_serves_identical_outputs(runs):
     step = _step(runs["load_kill"], "after_kill")
     assert step["tokens"] == runs["reference"]["after_kill"]
     # the second prompt's 2 prefix blocks are still in vLLM's own cache
     assert step["cached"] == [0, 2 * BS]
-    text = runs["log_text"]
-    assert text.count("the pool is unavailable") == 1, "one warning per outage"
+    lines = [ln for ln in runs["log_text"].splitlines()
+             if "the pool is unavailable" in ln or "the pool is back" in ln]
+    # one warning per outage (hung, killed), each followed by the pool coming back
+    assert len(lines) == 4 and all(("back" in ln) == (i % 2 == 1)
+                                   for i, ln in enumerate(lines)), lines
 
 
 def test_pool_restarted_is_used_again(runs):

@@ -108,7 +108,7 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 # ---------------------------------------------------------------- statistics
 _COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
-             "save_s", "failures")
+             "save_s", "hooks_s", "failures")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +125,7 @@ class ConnectorStatistics:
     lookup_s: float = 0.0  # the scheduler's lookups (on the request's critical path)
     load_s: float = 0.0  # the worker's loads (the forward waits for them)
     save_s: float = 0.0  # the saves (beside the engine, on the save thread)
+    hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
     failures: int = 0  # pool failures (a call that got no cache)
 
 
@@ -563,7 +564,28 @@ class EmsConnector(KVConnectorBase_V1):
         s = self.statistics()
         logger.info("ems: %s: %d lookups, tokens looked up %d / hit %d / loaded %d "
                     "(failed %d) / saved %d (failed %d), lookup %.3f s, load %.3f s, "
-                    "save %.3f s, pool %s, %d failures", role, s.lookups, s.tokens_looked_up,
-                    s.tokens_hit, s.tokens_loaded, s.tokens_load_failed, s.tokens_saved,
-                    s.tokens_save_failed, s.lookup_s, s.load_s, s.save_s,
+                    "save %.3f s, in hooks %.3f s, pool %s, %d failures", role, s.lookups,
+                    s.tokens_looked_up, s.tokens_hit, s.tokens_loaded, s.tokens_load_failed,
+                    s.tokens_saved, s.tokens_save_failed, s.lookup_s, s.load_s, s.save_s,
+                    s.hooks_s,
                     self._session.state.value, s.failures)
+
+
+def _timed(hook: Any) -> Any:
+    """Count the time the engine spends in ``hook`` (``hooks_s``: the connector's share of
+    the engine's critical path; the saves themselves run beside it)."""
+    def timed(self: EmsConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._counters.add(hooks_s=time.perf_counter() - t0)
+    timed.__name__, timed.__doc__, timed.__wrapped__ = hook.__name__, hook.__doc__, hook
+    return timed
+
+
+for _name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+              "build_connector_meta", "request_finished", "handle_preemptions",
+              "start_load_kv", "wait_for_save", "get_finished"):
+    setattr(EmsConnector, _name, _timed(getattr(EmsConnector, _name)))
+del _name
