@@ -47,6 +47,7 @@ BS = 32
 def engine_main(model: str, connector: bool, kv_cache_mib: int) -> None:
     """One engine; reads JSON commands on stdin, answers ``RESULT <json>`` lines."""
     import logging
+
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -79,8 +80,7 @@ def engine_main(model: str, connector: bool, kv_cache_mib: int) -> None:
             reply = {"ttft_s": ttft, "wall_s": wall, "cached": o.num_cached_tokens,
                      "token": o.outputs[0].token_ids[0]}
         if cmd.get("flush") or cmd.get("stats"):
-            from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                                      has_kv_transfer_group)
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
             if has_kv_transfer_group():
                 import dataclasses
                 worker = get_kv_transfer_group()

@@ -9,9 +9,10 @@ SPEC: {"engines": [{"name", "model", "connector": bool, "extra": {...},
 Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``pause_pid`` /
 ``resume_pid`` SIGSTOPped / SIGCONTed (a hung pool), ``wait_file`` is
 waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
-``signal_file`` is written (how the test restarts the pool between two steps). OUT: per engine, per step: the greedy tokens and
-``num_cached_tokens`` of every prompt, and the connector's statistics (single-process
-mode only: in the default mode the connector lives in other processes).
+``signal_file`` is written (how the test restarts the pool between two steps).
+OUT: per engine, per step: the greedy tokens and ``num_cached_tokens`` of every
+prompt, and the connector's statistics (single-process mode only: in the default mode
+the connector lives in other processes).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def _config() -> EmsConfig:
 def _pages(num_blocks: int, fill: bool) -> list[list]:
     """vLLM's CPU layout: per layer [num_blocks, heads, 2*block_size, head]."""
     out = []
-    for layer in range(2):
+    for _ in range(2):
         t = torch.zeros(num_blocks, HEADS, 2 * BS, HEAD)
         if fill:
             t.copy_(torch.randn_like(t))

@@ -311,3 +311,15 @@ def test_pool_restarted_is_used_again(runs):
     before = _step(runs["load_kill"], "after_kill")["stats"]["worker"]["tokens_saved"]
     assert step["stats"]["worker"]["tokens_saved"] - before == 5 * BS
     assert runs["objects_after_restart"] == 5  # the new daemon holds exactly those blocks
+
+
+def test_vllm_logs_the_connector_stats(venv_python, tmp_path):
+    """vLLM's stats path (factory by module path, build_kv_connector_stats, aggregate,
+    reduce) with EmsConnector's stats class."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON"))}
+    env.update(PYTHONPATH=os.path.join(REPO, "src"), VLLM_NO_USAGE_STATS="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), TMPDIR=str(tmp_path))
+    r = subprocess.run([venv_python, os.path.join(HERE, "stats_check.py")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "KV Transfer metrics: lookups=3" in r.stdout

@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence

@@ -66,7 +66,7 @@ class ConnectorSettings:
             raise invalid(f"kv_connector_extra_config: unknown key(s) {unknown}; "
                           f"known: {sorted(fields)}")
         values: dict[str, Any] = {}
-        for name, f in fields.items():
+        for name in fields:
             if name in extra:
                 values[name] = (f"kv_connector_extra_config[{name!r}]", extra[name])
             elif env.get(cls._ENV_PREFIX + name.upper()):

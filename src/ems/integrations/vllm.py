@@ -39,12 +39,13 @@ per-process (vLLM warns; the pool then never hits across instances).
 Layouts (``register_kv_caches``): vLLM's CPU pages (0.32 hands them over as
 ``[num_blocks, kv_heads, block_size, 2*head_size]``, the attention views the same
 storage as ``[num_blocks, kv_heads, 2*block_size, head_size]``: a block's K rows then
-its V rows, per head) are viewed as the latter and registered as opaque pages of ``block_size`` tokens; split K/V layouts (``[2,
-num_blocks, block_size, heads, head]``) as two paged tensors per layer; MLA
-``[num_blocks, block_size, dim]`` as one. Only whole blocks ever move. The pool object
-of a block holds every layer of this rank, so loads and saves happen once per step,
-not per layer. TP and PP ranks keep separate keys (the SDK's ``CcConfig_v1``); with
-MLA all TP ranks share them and only TP rank 0 saves.
+its V rows, per head) are viewed as the latter and registered as opaque pages of
+``block_size`` tokens; split K/V layouts (``[2, num_blocks, block_size, heads,
+head]``) as two paged tensors per layer; MLA ``[num_blocks, block_size, dim]`` as
+one. Only whole blocks ever move. The pool object of a block holds every layer of this
+rank, so loads and saves happen once per step, not per layer. TP and PP ranks keep
+separate keys (the SDK's ``CcConfig_v1``); with MLA all TP ranks share them and only
+TP rank 0 saves.
 
 The pool down, slow, full or refusing: see :mod:`ems.integrations.session`; every hook
 returns within its deadline and the engine serves without the cache meanwhile.
