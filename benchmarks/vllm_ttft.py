@@ -225,6 +225,8 @@ def main(argv: list[str]) -> int:
     measured = rows[1:]
     med = {k: statistics.median(r[k]["ttft_s"] for r in measured)
            for k in ("off", "off2", "miss", "hit")}
+    # best of rounds: interference from other processes only ever adds time
+    best = {k: min(r[k]["ttft_s"] for r in measured) for k in ("off", "off2", "miss", "hit")}
     overhead = [r["miss"]["ttft_s"] / r["off"]["ttft_s"] - 1 for r in measured]
     control = [r["off2"]["ttft_s"] / r["off"]["ttft_s"] - 1 for r in measured]
     miss_worker, miss_sched = stats["miss"]["worker"], stats["miss"]["scheduler"]
@@ -241,7 +243,9 @@ def main(argv: list[str]) -> int:
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads,
                   "kv_heads": max(1, heads // 4), "dtype": "float32"},
         "prompt_tokens": n, "tail_tokens": tail, "rounds": args.rounds,
-        "ttft_median_s": med,
+        "ttft_median_s": med, "ttft_min_s": best,
+        "miss_overhead_min": best["miss"] / best["off"] - 1,
+        "control_off2_vs_off_min": best["off2"] / best["off"] - 1,
         "miss_overhead_median": statistics.median(overhead),
         "miss_overhead_per_round": overhead,
         "control_off2_vs_off_median": statistics.median(control),
@@ -257,11 +261,14 @@ def main(argv: list[str]) -> int:
         json.dump(result, f, indent=1)
     print(f"\nvLLM {n}-token prompt, {args.layers} layers x hidden {args.hidden}, fp32, "
           f"{args.rounds} rounds (medians)")
-    print(f"{'case':<34}{'TTFT ms':>10}")
-    print(f"{'off   (no connector, cold)':<34}{med['off']*1e3:>10.1f}")
-    print(f"{'off2  (the same, 2nd process)':<34}{med['off2']*1e3:>10.1f}")
-    print(f"{'miss  (connector, cold: lookup+save)':<34}{med['miss']*1e3:>10.1f}")
-    print(f"{'hit   (connector, prefix in ems)':<34}{med['hit']*1e3:>10.1f}")
+    print(f"{'case':<38}{'median ms':>10}{'best ms':>10}")
+    for key, label in (("off", "off   (no connector, cold)"),
+                       ("off2", "off2  (the same, 2nd process)"),
+                       ("miss", "miss  (connector, cold: lookup+save)"),
+                       ("hit", "hit   (connector, prefix in ems)")):
+        print(f"{label:<38}{med[key]*1e3:>10.1f}{best[key]*1e3:>10.1f}")
+    print(f"miss overhead, best of rounds: {result['miss_overhead_min']*100:+.1f}% "
+          f"(control off2 vs off: {result['control_off2_vs_off_min']*100:+.1f}%)")
     print(f"miss overhead: {result['miss_overhead_median']*100:+.1f}% (median of rounds; "
           f"per round {', '.join(f'{o*100:+.1f}%' for o in overhead)})")
     print(f"control off2 vs off: {result['control_off2_vs_off_median']*100:+.1f}% (median; "

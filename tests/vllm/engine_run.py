@@ -7,7 +7,8 @@ it as a subprocess with a timeout).
 SPEC: {"engines": [{"name", "model", "connector": bool, "extra": {...},
                     "max_tokens", "steps": [{"name", "prompts": [[ids]], "kill_pid"?}]}]}
 Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``pause_pid`` /
-``resume_pid`` SIGSTOPped / SIGCONTed (a hung pool), ``wait_file`` is
+``resume_pid`` SIGSTOPped / SIGCONTed (a hung pool), ``hang_before_load_pid``
+SIGSTOPped between the lookup and the load of the step (SIGCONTed after), ``wait_file`` is
 waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
 ``signal_file`` is written (how the test restarts the pool between two steps).
 OUT: per engine, per step: the greedy tokens and ``num_cached_tokens`` of every
@@ -45,6 +46,29 @@ def connector_stats(llm) -> dict:
     return out
 
 
+def hang_pool_before_load(pid: int):
+    """Fault injection with the real daemon: SIGSTOP it after the scheduler's lookup
+    found the blocks, just before the worker's first load of this step (a pool that
+    hangs between lookup and load; the load must time out and vLLM recompute)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    worker = get_kv_transfer_group()
+    original = worker.start_load_kv
+
+    def start_load_kv(forward_context, **kwargs):
+        meta = worker._connector_metadata
+        if getattr(meta, "loads", None):
+            os.kill(pid, signal.SIGSTOP)
+            worker.start_load_kv = original  # once
+        return original(forward_context, **kwargs)
+
+    worker.start_load_kv = start_load_kv
+
+    def undo():
+        worker.start_load_kv = original
+        os.kill(pid, signal.SIGCONT)
+    return undo
+
+
 def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -76,6 +100,8 @@ def run_engine(spec: dict) -> dict:
                     raise SystemExit(f"{step['wait_file']} did not appear")
                 time.sleep(0.05)
         time.sleep(step.get("sleep_s", 0))
+        undo = hang_pool_before_load(int(step["hang_before_load_pid"])) \
+            if step.get("hang_before_load_pid") else None
         t1 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp,
                             use_tqdm=False) if step["prompts"] else []
@@ -84,6 +110,8 @@ def run_engine(spec: dict) -> dict:
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "stats": connector_stats(llm)})
+        if undo is not None:
+            undo()
         if step.get("signal_file"):
             with open(step["signal_file"], "w") as f:
                 f.write("done")

@@ -14,7 +14,9 @@ group) on failure:
   engine): a partial-prefix prompt first, then the full prompts, loaded from the pool;
 * run C (one process): model B without the connector, model B WITH the connector
   under model A's keys (the negative control: the loaded KV is used, so the outputs
-  change); then a fresh model-A engine loads the prefix (the connector's counters),
+  change); a fresh model-A engine whose loads fail (the pool hangs between the lookup
+  and the load: vLLM recomputes); then a fresh model-A engine loads the prefix (the
+  connector's counters),
   the pool hangs (SIGSTOP) and comes back, the pool is SIGKILLed and new prompts are
   served, the pool is restarted and the engine saves into it again.
 
@@ -167,6 +169,12 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "wrong-kv", "model": model_b, "connector": True, "extra": extra,
              "kv_role": "kv_consumer",  # loads model A's blocks, never saves its own
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
+            # the pool hangs between lookup and load: the load times out, vLLM recomputes
+            {"name": "load-fail", "model": model_a, "connector": True,
+             "extra": dict(extra, load_timeout_ms=1000),
+             "steps": [{"name": "shared", "prompts": p["shared"],
+                        "hang_before_load_pid": server.pid},
+                       {"name": "resumed", "prompts": [], "sleep_s": 2.0}]},
             {"name": "load-kill", "model": model_a, "connector": True, "extra": extra,
              "steps": [{"name": "shared", "prompts": p["shared"]},
                        {"name": "hung", "prompts": p["hung"], "pause_pid": server.pid},
@@ -207,7 +215,8 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         with open(out_path) as f:
-            results["ref_b"], results["wrong"], results["load_kill"] = json.load(f)["engines"]
+            (results["ref_b"], results["wrong"], results["load_fail"],
+             results["load_kill"]) = json.load(f)["engines"]
         results["objects_after_restart"] = _objects(server)
     with open(log, errors="replace") as f:
         results["log_text"] = f.read()
@@ -272,6 +281,17 @@ def test_connector_counters_of_a_load(runs):
     assert s["worker"]["load_s"] > 0
 
 
+def test_failed_load_is_recomputed(runs):
+    """The lookup hit, then the pool hung: the loads time out and are reported to vLLM
+    (get_block_ids_with_load_errors), which recomputes them: identical outputs."""
+    step = _step(runs["load_fail"], "shared")
+    assert step["tokens"] == runs["reference"]["shared"]
+    s = step["stats"]
+    assert s["scheduler"]["tokens_hit"] > 0
+    assert s["worker"]["tokens_load_failed"] > 0
+    assert s["worker"]["tokens_loaded"] == 0
+
+
 def test_negative_control_loaded_kv_is_used(runs):
     """Model B loading model A's KV (same layout, forced same keys) answers otherwise."""
     wrong = _step(runs["wrong"], "shared")
@@ -299,8 +319,9 @@ def test_pool_killed_engine_serves_identical_outputs(runs):
     assert step["cached"] == [0, 2 * BS]
     lines = [ln for ln in runs["log_text"].splitlines()
              if "the pool is unavailable" in ln or "the pool is back" in ln]
-    # one warning per outage (hung, killed), each followed by the pool coming back
-    assert len(lines) == 4 and all(("back" in ln) == (i % 2 == 1)
+    # one warning per outage (hung at a load, hung at a lookup, killed), each followed
+    # by the pool coming back
+    assert len(lines) == 6 and all(("back" in ln) == (i % 2 == 1)
                                    for i, ln in enumerate(lines)), lines
 
 
