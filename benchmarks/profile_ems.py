@@ -7,12 +7,12 @@ py-spy flame graph, of the paths ``ems bench`` measures.
     python benchmarks/profile_ems.py --py-spy out.svg    # + flame graph (pip install py-spy)
 
 Phases (summed over all calls, per call in microseconds): ``normalize`` (validation,
-in the caller), ``queue`` (submit -> a worker starts it), ``reserve``/``commit`` or
-``acquire``/``release`` (the pool's control path: a lock in-process, a socket round
-trip to the daemon), ``copy`` (the mover), ``save_one_step``/``load_one_step`` (a
-call through the daemon in one step: lease or pin, copy, put or unpin; its copy is
-also counted in ``copy``), ``wake`` (the worker finished -> the caller returns). It
-wraps the SDK's methods at run time; it changes no SDK file.
+in the caller), ``queue`` (submit -> a worker starts it), ``save``/``load`` (the
+transport's verbs, whole), and the steps inside them: ``_save_leased``/``_put`` (a small
+save through the daemon's lease: cut, copy, Put), ``_reserve``/``_commit`` (the
+two-phase save: a lock in-process, a round trip to the daemon), ``_pin`` (a load's
+Acquire), ``copy`` (the mover, also counted in its verb), ``wake`` (the worker finished
+-> the caller returns). It wraps the SDK's methods at run time; it changes no SDK file.
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ def instrument(system: EmsSystem) -> None:
     from ems.client import layout, movers
     cc, tr = system.cc, system.transport
     _wrap(cc, "_normalize", "normalize")
-    for name in ("reserve", "commit", "acquire", "release", "save_one_step",
-                 "load_one_step"):
-        _wrap(tr, name, name)
+    # the verbs, and the steps inside them (the daemon's; the embedded pool has
+    # _reserve/_commit only)
+    for name in ("save", "load", "_save_leased", "_put", "_reserve", "_commit", "_pin"):
+        if hasattr(tr, name):
+            _wrap(tr, name, name)
     for cls, names in ((movers.V0Mover, ("to_pool", "from_pool")),
                        (layout.V1Mover, ("to_pool", "from_pool"))):
         for n in names:
@@ -83,10 +85,10 @@ def instrument(system: EmsSystem) -> None:
         marks[id(req)] = time.perf_counter()
         return submit(req)
 
-    def _execute(task: Any, req: Any) -> None:
+    def _execute(task: Any, req: Any, spin: bool = False) -> None:
         t0 = time.perf_counter()
         _add("queue", t0 - marks.pop(id(req), t0))
-        execute(task, req)
+        execute(task, req, spin)
         task._ems_done = time.perf_counter()
 
     cc._submit, cc._execute = _submit, _execute
@@ -105,8 +107,8 @@ def instrument(system: EmsSystem) -> None:
 
 def report(title: str, calls: int, wall: float) -> None:
     print(f"\n{title}: {calls} calls, {wall / calls * 1e6:.1f} us per call (wall)")
-    for phase in ("normalize", "queue", "save_one_step", "load_one_step", "reserve",
-                  "acquire", "copy", "commit", "release", "wake"):
+    for phase in ("normalize", "queue", "save", "load", "_save_leased", "_put", "_reserve",
+                  "_commit", "_pin", "copy", "wake"):
         if phase in _acc:
             total, n = _acc[phase]
             print(f"  {phase:10s} {total / calls * 1e6:9.1f} us/call  ({n} calls, "

@@ -47,7 +47,7 @@ future_list = []
 # 多次异步下发异步save请求，增加save并发能力。
 # (submit several async saves: more saves in flight at once)
 try:
-    for idx in range(2):
+    for _ in range(2):
         future_list.append(cc.async_save(option, key_list, val_list))
         future_list.append(cc.async_save(option, key_list2, val_list2))
 except EmsException as e:
@@ -89,7 +89,7 @@ future_list = []
 # 多次异步下发异步load请求，增加load并发能力。
 # (submit several async loads: more loads in flight at once)
 try:
-    for idx in range(2):
+    for _ in range(2):
         future_list.append(cc.async_load(option, key_list, val_list))
         future_list.append(cc.async_load(option, key_list2, val_list2))
 except EmsException as e:

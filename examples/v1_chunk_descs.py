@@ -69,7 +69,7 @@ block_size = 4
 future_list = []
 # 多次异步下发异步load请求，增加load并发能力。
 try:
-    for idx in range(2):
+    for _ in range(2):
         hashes = [0x1111, 0x2222]
         chunk_descs = [[(0, 4), (4, 4)]]
         future_list.append(cc.async_load(hashes=hashes, chunk_descs=chunk_descs, option=option))

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 extras=""
-if [ "${1:-}" = "test" ]; then extras="[test]"; fi
+if [ "${1:-}" = "test" ]; then extras="[test,control]"; fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -17,3 +17,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "Running pip as the 'root' user" || true
 fi
 "$PY" -c "import ems, msgpack" || { echo "setup: ems failed to import" >&2; exit 1; }
+if [ "${1:-}" = "test" ]; then bash scripts/setup-chromium.sh; fi

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: set up (with test dependencies), then
-# run pytest (unit + integration; integration tests start and stop their own
-# ems-server daemons in temp dirs). Extra arguments go to pytest.
+# The whole test suite on a fresh machine: set up (with test dependencies), lint
+# (ruff) and type-check (mypy), then run pytest (unit, integration and the fault
+# suite; those start and stop their own ems-server daemons in temp dirs). Any error
+# fails the run. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
 bash scripts/setup.sh test
-exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider "$@"
+"$PY" -m ruff check src tests benchmarks examples
+"$PY" -m mypy
+exec "$PY" -m pytest -p no:cacheprovider "$@"

@@ -1,4 +1,5 @@
-"""The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``.
+"""The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``,
+``ems tenants|keys|quota`` (ems-control).
 
 Each subcommand lives in its own package and is imported only when used, so
 ``ems --help`` works without torch.
@@ -18,8 +19,13 @@ _COMMANDS = {
              "prefix caching in a real decoding loop: outputs with and without ems, time saved"),
     "bench": ("ems.bench", "main",
               "throughput and latency against memcpy and the peers (table, JSON, plot)"),
-    "stats": ("ems.server", "stats_main",
+    "stats": ("ems.stats", "main",
               "counters of a running ems-server (capacity, used, hit rate, tenants)"),
+    "tenants": ("ems.control.cli", "tenants_main",
+                "tenants on ems-control: create, list, show, delete"),
+    "keys": ("ems.control.cli", "keys_main",
+             "access keys on ems-control: issue, list, rotate, revoke"),
+    "quota": ("ems.control.cli", "quota_main", "quotas on ems-control: set"),
 }
 
 

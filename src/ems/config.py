@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from ems.errors import invalid
 
@@ -206,6 +206,7 @@ def _validate_cc(cc: Any, name: str, v1: bool) -> None:
     _int(cc.tp_world_size, f"{name}.tp_world_size", 1)
     _int(cc.pp_world_size, f"{name}.pp_world_size", 1)
     if v1:
+        assert isinstance(cc, CcConfig_v1)
         _int(cc.rank_in_tp_group, f"{name}.rank_in_tp_group", 0, cc.tp_world_size)
         _int(cc.rank_in_pp_group, f"{name}.rank_in_pp_group", 0, cc.pp_world_size)
         _ident(cc.llm_engine, f"{name}.llm_engine")
@@ -312,7 +313,7 @@ class PoolSettings:
         return "server" if os.path.exists(self.socket_path) else "embedded"
 
     @classmethod
-    def from_env(cls, env: Optional[dict[str, str]] = None) -> "PoolSettings":
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "PoolSettings":
         env = os.environ if env is None else env
         mode = env.get("EMS_POOL", "auto").strip().lower() or "auto"
         if mode not in ("auto", "embedded", "server"):

@@ -70,8 +70,6 @@ class Task:
         self._cancelled = False
         self._result: Optional[CcResult] = None
         self._error: Optional[EmsException] = None
-        #: runs in its caller's thread (a synchronous call): it may poll for replies
-        self.inline = False
 
     @property
     def what(self) -> str:

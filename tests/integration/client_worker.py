@@ -9,9 +9,10 @@ Commands (JSON fields):
 
 * ``save``   keys, size -> {"success"}
 * ``load``   keys, size -> {"success", "wrong"}: wrong = loaded keys with bad bytes
-* ``mixed``  seed, rounds, key_space, size, batch -> {"saved", "loaded", "wrong"}:
-  random batches of saves and loads (several in flight at once)
-* ``slow-save`` keys, size: prints "copying" once the first copy into the pool
+* ``mixed``  seed, rounds, key_space, size, batch -> {"saved", "loaded", "wrong",
+  "errors", "codes", "late"}: random batches of saves and loads (several in flight at
+  once); ``late`` counts loads that raised and whose buffers changed afterwards
+* ``slow-save`` / ``slow-load`` keys, size: prints "copying" once the first copy
   started, then copies very slowly (the test kills or stops it)
 
 Optional fields: access_id, access_key, timeout_ms.
@@ -84,7 +85,15 @@ def main() -> int:
                                                            res.success, size)}
     elif command == "mixed":
         rng = random.Random(args["seed"])
-        out = {"saved": 0, "loaded": 0, "wrong": 0, "errors": 0}
+        if args.get("slow_copy_ms"):  # copies slower than the deadline: timeouts mid-copy
+            real, pause = _copy.copy_bytes, args["slow_copy_ms"] / 1000.0
+
+            def slowed(dst: int, src: int, n: int) -> None:
+                time.sleep(pause)
+                real(dst, src, n)
+            _copy.copy_bytes = slowed
+        out = {"saved": 0, "loaded": 0, "wrong": 0, "errors": 0, "late": 0}
+        late: list = []  # buffers of loads that raised, as they were at the raise
         for _ in range(args["rounds"]):
             inflight = []
             for _ in range(4):  # several requests in flight on one connection
@@ -96,15 +105,22 @@ def main() -> int:
             for op, keys, fut, values in inflight:
                 try:
                     res = fut.result()
-                except EmsException:
+                except EmsException as exc:
                     out["errors"] += 1
+                    kind = exc.status_code().name
+                    out.setdefault("codes", {})[kind] = out.get("codes", {}).get(kind, 0) + 1
+                    if op == "load":  # nothing may land in these buffers from now on
+                        late.append((values, [v.bytes() for v in values]))
                     continue
                 if op == "save":
                     out["saved"] += res.success
                 else:
                     out["loaded"] += res.success
                     out["wrong"] += count_wrong(keys, values, res.success, size)
-    elif command == "slow-save":
+        time.sleep(0.2)  # a late write would have landed by now
+        out["late"] = sum(1 for values, seen in late
+                          if [v.bytes() for v in values] != seen)
+    elif command in ("slow-save", "slow-load"):
         real = _copy.copy_bytes
         announced = []
 
@@ -115,7 +131,7 @@ def main() -> int:
             time.sleep(0.5)
             real(dst, src, n)
         _copy.copy_bytes = slow
-        fut, _ = save(cc, option, args["keys"], size)
+        fut, _ = (save if command == "slow-save" else load)(cc, option, args["keys"], size)
         out["success"] = fut.result().success
     else:
         raise SystemExit(f"unknown command {command}")

@@ -46,3 +46,37 @@ def anonymous_stats_when(server, predicate: Callable[[dict], bool], timeout_s: f
         stats = anonymous_stats(server)
         return stats if predicate(stats) else None
     return wait_for(check, timeout_s, what)
+
+
+def transport_save(transport, keys: list, size: int, timeout_ms: int = 5000) -> int:
+    """Save ``pattern(key, size)`` of each storage key through a transport's verb; how
+    many are stored."""
+    import ctypes
+
+    from client_worker import pattern
+
+    from ems import CcKvOption
+    from ems.client.movers import V0Mover
+    from ems.futures import Task
+    from ems.keys import Request
+
+    bufs = [ctypes.create_string_buffer(pattern(k, size), size) for k in keys]
+    mover = V0Mover([[(ctypes.addressof(b), size)] for b in bufs])
+    req = Request("save", list(keys), [size] * len(keys), mover, CcKvOption(timeout=timeout_ms))
+    return sum(transport.save(req, Task(timeout_ms, "save")))
+
+
+def transport_load(transport, keys: list, size: int, timeout_ms: int = 5000):
+    """Load storage keys through a transport's verb: (leading keys loaded, their bytes)."""
+    import ctypes
+
+    from ems import CcKvOption
+    from ems.client.movers import V0Mover
+    from ems.futures import Task
+    from ems.keys import Request
+
+    bufs = [ctypes.create_string_buffer(size) for _ in keys]
+    mover = V0Mover([[(ctypes.addressof(b), size)] for b in bufs])
+    req = Request("load", list(keys), [size] * len(keys), mover, CcKvOption(timeout=timeout_ms))
+    n = transport.load(req, Task(timeout_ms, "load"))
+    return n, [b.raw for b in bufs[:n]]

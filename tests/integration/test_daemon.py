@@ -214,7 +214,7 @@ def test_stats_command_table_and_json(cc, server):
     anon = report["tenants"]["(anonymous)"]
     assert anon["objects"] == 2 and anon["hits"] == 1 and anon["connections"] == 1
     assert report["server"]["connections"] >= 1
-    from ems.server import stats_main
+    from ems.stats import main as stats_main
     assert stats_main(["--socket-dir", server.socket_dir, "--json"]) == 0
     assert stats_main(["--socket-dir", server.directory + "/nowhere"]) == 1
 

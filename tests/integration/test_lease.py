@@ -73,7 +73,7 @@ def test_write_once_and_busy_through_the_lease(cc, server):
         assert after.objects == before.objects and after.reserved == 1
         # the range went back to the free pool, not to the lease nor to an object
         assert after.used_bytes == before.used_bytes - 4096
-        other._post_tokens([granted.tokens[0] | (other._gen << 56)], m.Abort)
+        other._session.post(m.Abort([granted.tokens[0]]))
         wait_for(lambda: cc.statistics().reserved == 0, 5.0, "reservation aborted")
     finally:
         other.close()
@@ -199,9 +199,9 @@ def test_after_fork_the_child_uses_a_lease_of_its_own(cc, server):
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
-            # the first save reconnects (a Reserve); the second takes a lease of its own
+            # the first save reconnects and takes a lease of its own; both go through it
             ok = save(cc, ["child"], 4096).success == 1 and save(cc, ["child2"], 4096).success
-            code = 0 if ok and cc.statistics().leased_bytes == 2 * LEASE - 2 * 4096 else 2
+            code = 0 if ok and cc.statistics().leased_bytes == 2 * LEASE - 3 * 4096 else 2
         finally:
             os.write(w, bytes([code]))
             os._exit(0)
@@ -217,29 +217,28 @@ def test_after_fork_the_child_uses_a_lease_of_its_own(cc, server):
 
 
 def test_small_saves_go_in_one_step(cc, server, monkeypatch):
-    """A small save cuts its range, copies and puts in one transport call
-    (save_one_step); only a save that finds the lease short (the first one of a
-    connection here) goes through reserve, which asks for a lease."""
-    transport = cc._transport
-    calls = {"reserve": 0, "save_one_step": 0}
-    reserve, save_one_step = transport.reserve, transport.save_one_step
+    """A small save cuts its range, copies and puts: one request (Put); only the first
+    one of a connection, which finds no lease, asks for one (Lease) first. A save of
+    more than a quarter of the lease goes Reserve + Commit."""
+    session = cc._transport._session
+    sent: list[str] = []
+    request = session.request
 
-    def counting_reserve(*args):
-        calls["reserve"] += 1
-        return reserve(*args)
-
-    def counting_save_one_step(*args):
-        calls["save_one_step"] += 1
-        return save_one_step(*args)
-    monkeypatch.setattr(transport, "reserve", counting_reserve)
-    monkeypatch.setattr(transport, "save_one_step", counting_save_one_step)
+    def recording(msg_for, wait_s, spin_s=0.0):
+        def build(rid):
+            msg = msg_for(rid)
+            code = msg[0] if type(msg) is list else msg.TYPE
+            sent.append(m.MESSAGES[code].__name__)
+            return msg
+        return request(build, wait_s, spin_s)
+    monkeypatch.setattr(session, "request", recording)
     keys = [f"one-{i}" for i in range(5)]
     for key in keys:
         assert save(cc, [key], 4096).success == 1
-    assert calls == {"reserve": 1, "save_one_step": 5}
+    assert sent == ["Lease"] + ["Put"] * 5
     big = LEASE  # more than a quarter of the lease: reserve + commit
     assert save(cc, ["big"], big).success == 1
-    assert calls == {"reserve": 2, "save_one_step": 6}
+    assert sent[6:] == ["Reserve", "Commit"]
     outs = [Value(4096) for _ in keys]
     assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 5
     assert all(o.bytes() == pattern(k, 4096) for k, o in zip(keys, outs))

@@ -10,12 +10,11 @@ import threading
 import time
 
 import pytest
+from client_worker import pattern
+from itest_support import anonymous_stats, transport_load, transport_save, wait_for
 
 from ems.client.remote import RemoteTransport
-from ems.futures import Task
 from ems.protocol import messages as m
-
-from itest_support import anonymous_stats, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +31,10 @@ def test_many_threads_share_one_connection_and_get_their_own_replies(server):
     def worker(t: int) -> None:
         try:
             for i in range(rounds):
-                key = f"t{t}-{i}"
-                slots = transport.reserve([key], [64 * (t + 1)], Task(0, "save"))
-                assert slots[0].size == 64 * (t + 1)  # this thread's reply, not another's
-                assert transport.commit([slots[0].token], Task(0, "save")) == [True]
-                pins = transport.acquire([key], [64 * (t + 1)], Task(0, "load"))
-                assert len(pins) == 1 and pins[0].size == 64 * (t + 1)
-                transport.release([p.token for p in pins])
+                key, size = f"t{t}-{i}", 64 * (t + 1)
+                assert transport_save(transport, [key], size) == 1
+                n, data = transport_load(transport, [key], size)  # this thread's reply
+                assert n == 1 and data[0] == pattern(key, size)
                 assert transport.exists([key, "absent"], None) == 1
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)

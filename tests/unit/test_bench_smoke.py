@@ -15,6 +15,10 @@ import sys
 import pytest
 
 from ems.bench.runner import main
+from ems.client import native
+
+#: the limit kernels this build has (copy-nt needs the native helper)
+LIMITS = (("copy-nt",) if native.available() else ()) + ("copy-glibc",)
 
 
 def test_bench_quick_embedded_only(tmp_path):
@@ -38,17 +42,19 @@ def test_bench_quick_embedded_only(tmp_path):
     sizes = {r["value_bytes"] for r in rows if r["workload"] == "v0"}
     assert len(sizes) == 3
     for size in sizes:
-        for system in ("memcpy", "ems-embedded"):
+        for system in ("memcpy", *LIMITS, "ems-embedded"):
             for op in ("save", "load"):
                 assert (system, op, size) in v0
     for r in rows:
         assert r["gbps"] > 0 and len(r["seconds"]) >= 1
         assert r["ratio_to_memcpy"] is not None, r
+        if r["workload"] in ("v0", "v1"):  # the honest limit: the best kernel's runs
+            assert r["ratio_to_limit"] is not None, r
     workloads = {r["workload"] for r in rows}
     assert {"v0", "fill", "scaling"} <= workloads
     if importlib.util.find_spec("torch") is not None:
-        assert {r["system"] for r in rows if r["workload"] == "v1"} == {"memcpy",
-                                                                        "ems-embedded"}
+        assert {r["system"] for r in rows if r["workload"] == "v1"} == {
+            "memcpy", *LIMITS, "ems-embedded"}
     assert {r["system"] for r in rows if r["workload"] == "fill"} == {"memcpy",
                                                                       "ems-embedded"}
     lat = {(x["system"], x["op"]): x for x in data["latency"]}
@@ -62,8 +68,8 @@ def test_bench_quick_embedded_only(tmp_path):
     assert {t["system"] for t in data["targets"]} == {"ems-embedded"}
 
     table = proc.stdout
-    assert "| workload | case | system | op | GB/s | x memcpy |" in table
-    assert table.count("| v0 |") == 12  # 3 sizes x 2 systems x 2 ops
+    assert "| workload | case | system | op | GB/s | x limit | x memcpy |" in table
+    assert table.count("| v0 |") == 3 * (2 + len(LIMITS)) * 2  # sizes x systems x ops
     assert "| ems-embedded | save |" in table  # latency table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 10_000

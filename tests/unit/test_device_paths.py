@@ -151,7 +151,9 @@ def test_v1_copy_paths_agree(monkeypatch, native_on, aligned):
 def test_requests_work_in_a_forked_child(monkeypatch):
     """An engine that forks after Ems.init: the child gets worker threads of its own."""
     import os
+
     import numpy as np
+
     from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper
     monkeypatch.setenv("EMS_POOL", "embedded")
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))

@@ -72,7 +72,7 @@ def test_resaving_an_existing_key_refreshes_it(small):
 def test_used_bytes_never_exceed_capacity_under_churn(small, idle):
     cc = small
     rng = np.random.default_rng(0)
-    for round_ in range(6):
+    for _ in range(6):
         ids = [int(i) for i in rng.choice(64, size=8, replace=False)]
         values = [value(i) for i in ids]
         cc.save(CcKvOption(), [f"k{i}" for i in ids], [[buf(v)] for v in values])

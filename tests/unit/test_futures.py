@@ -149,7 +149,7 @@ def test_v0_and_v1_mixed_from_several_threads(make_cc, idle):
             src, dst = [4 * t, 4 * t + 1], [4 * t + 2, 4 * t + 3]
             slots = lambda ids: [b * bs + p for b in ids for p in range(bs)]  # noqa: E731
             hashes = [10_000 * (t + 1) + i for i in range(2)]
-            for rep in range(5):
+            for _ in range(5):
                 assert cc.save(slots(src), hashes, [bs, bs]).success == 2
                 f = cc.async_load(slots(dst), hashes, [bs, bs])
                 assert f.result() == CcResult(2, 2)
@@ -192,7 +192,7 @@ def test_a_failed_request_reports_through_its_future(cc, option, monkeypatch):
     def broken(*args, **kwargs):
         raise EmsException(EmsErrorCode.EMS_IO_ERROR, "pool lost")
 
-    monkeypatch.setattr(cc._transport, "acquire", broken)
+    monkeypatch.setattr(cc._transport, "load", broken)
     out = np.zeros(8, np.uint8)
     fut = cc.async_load(option, ["k"], [[buf(out)]])
     with pytest.raises(EmsException) as info:
@@ -205,7 +205,7 @@ def test_an_unexpected_error_becomes_internal_error(cc, option, monkeypatch, cap
     def broken(*args, **kwargs):
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(cc._transport, "reserve", broken)
+    monkeypatch.setattr(cc._transport, "save", broken)
     with pytest.raises(EmsException) as info:
         cc.save(option, ["k"], [[KvBufferWrapper(4096, 8)]])  # never copied
     assert info.value.status_code() is EmsErrorCode.EMS_INTERNAL_ERROR

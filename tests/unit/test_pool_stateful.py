@@ -224,6 +224,15 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.unlease([offset], [need], owner)
         self.cut(owner, piece, offset, need)
 
+    @rule(limit=st.integers(0, CAPACITY + 128))
+    def set_capacity(self, limit):
+        """A quota changed live: the usage limit moves inside the fixed arena."""
+        got = self.pool.set_capacity(limit)
+        assert got == min(limit, CAPACITY) // 64 * 64 == self.pool.capacity_bytes
+        self.sync_evictions()
+        if self.pool.statistics().used_bytes > got:  # only what cannot be evicted is left
+            assert all(self.pin_count(k) for k in self.committed)
+
     @rule(owner=OWNERS)
     def drop_owner(self, owner):
         self.pool.drop_owner(owner)
@@ -239,7 +248,8 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def model_matches_the_pool(self):
         stats = self.pool.statistics()
-        assert stats.used_bytes <= stats.capacity_bytes
+        assert stats.used_bytes <= stats.arena_bytes == CAPACITY  # a lowered limit can be
+        assert stats.capacity_bytes <= CAPACITY                   # exceeded by pinned bytes
         assert set(self.pool.keys()) == set(self.committed)
         for key, size in self.committed.items():
             assert self.pool.exists([key], [size]) == 1

@@ -32,10 +32,19 @@ from typing import Any, Optional, Sequence
 from ems.bench import procs
 from ems.bench.progress import Progress
 from ems.bench.report import table, to_json, write_json
-from ems.bench.systems import (EmsDaemon, EmsSystem, MemcpySystem, MooncakeService,
-                               MooncakeSystem, RedisService, RedisSystem, Unavailable,
-                               lmcache_unavailable_reason)
-from ems.bench.workloads import (WORKLOADS, Context, Params, max_batch_bytes, run, steps)
+from ems.bench.systems import (
+    EmsDaemon,
+    EmsSystem,
+    LimitSystem,
+    MemcpySystem,
+    MooncakeService,
+    MooncakeSystem,
+    RedisService,
+    RedisSystem,
+    Unavailable,
+    lmcache_unavailable_reason,
+)
+from ems.bench.workloads import WORKLOADS, Context, Params, max_batch_bytes, run, steps
 
 __all__ = ["main", "SYSTEMS", "PEERS"]
 
@@ -165,6 +174,14 @@ def _start_systems(ctx: Context, stack: contextlib.ExitStack, want: list[str],
     memcpy = MemcpySystem(batch)
     ctx.systems["memcpy"] = memcpy
     stack.callback(memcpy.close)
+    for kernel in ("nt", "glibc"):  # the limit: the best copy of the same runs
+        try:
+            limit = LimitSystem(batch, kernel)
+        except Unavailable as exc:
+            ctx.problem(f"copy-{kernel}", "all", str(exc))
+            continue
+        ctx.systems[limit.name] = limit
+        stack.callback(limit.close)
     for name in want:
         if name == "memcpy":
             continue

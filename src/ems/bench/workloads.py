@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-
 import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -19,8 +18,16 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ems.bench.progress import Progress
-from ems.bench.systems import (BenchError, EmsDaemon, EmsSystem, MemcpySystem,
-                               MooncakeSystem, RedisSystem, System)
+from ems.bench.systems import (
+    LIMITS,
+    BenchError,
+    EmsDaemon,
+    EmsSystem,
+    MemcpySystem,
+    MooncakeSystem,
+    RedisSystem,
+    System,
+)
 
 __all__ = ["Params", "Row", "Latency", "Context", "WORKLOADS", "steps"]
 
@@ -246,15 +253,18 @@ def run_v1(ctx: Context) -> None:
             except Exception as exc:  # noqa: BLE001 - reported
                 ctx.problem(name, "v1", f"register_kvcache: {exc}")
                 del active[name]
-        names = ["memcpy", *active]
+        limits = [n for n in LIMITS if n in ctx.systems]
+        names = ["memcpy", *limits, *active]
         rows = {(name, op): Row("v1", case, name, op, nbytes, [], bs * 2 * 8 * 128 * 2
                                 * p.v1_layers) for name in names for op in ("save", "load")}
         expect = _checksum(torch, kv, blocks)
         for rep in range(p.reps + 1):
             for name in _rotated(names, rep):
-                if name == "memcpy":
-                    t_save = _timed(lambda: ctx.memcpy.copy(nbytes, src_flat))
-                    t_load = _timed(lambda: ctx.memcpy.copy(nbytes, src_flat))
+                if name == "memcpy" or name in limits:
+                    base = ctx.systems[name]
+                    assert isinstance(base, MemcpySystem)
+                    t_save = _timed(lambda: base.copy(nbytes, src_flat))
+                    t_load = _timed(lambda: base.copy(nbytes, src_flat))
                 else:
                     if name not in active:
                         continue
@@ -455,7 +465,7 @@ def _run_workers(mpc: Any, spec: dict[str, Any], procs: int, n: int, size: int,
                 raise RuntimeError("workers did not finish in 300 s")
             try:
                 index, times, err = queue.get(timeout=min(left, 5.0))
-            except Exception:  # queue.Empty
+            except Exception:  # noqa: BLE001 - queue.Empty
                 dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"worker exited with code {dead[0].exitcode}") from None

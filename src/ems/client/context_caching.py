@@ -7,14 +7,12 @@ caller gets a :class:`CcFuture`), in the caller's own thread for ``save``/``load
 (which block anyway; this saves two thread switches per call). Deadlines, results and
 errors are the same either way: ``save(...)`` behaves as ``async_save(...).result()``.
 
-* save: ``reserve`` every key (one batch) -> copy the NEW ones into pool memory ->
-  ``commit`` (one batch). Keys already stored count as saved without a copy.
-* load: ``acquire`` the leading hits (one batch; pins them) -> copy them into the
-  caller's memory -> ``release`` (one batch). A key whose stored size differs from the
-  request's is a miss and nothing is written for it; nothing after a miss is copied.
-* A transport may take a save or load in one step instead (``save_one_step`` /
-  ``load_one_step``: the daemon's lease and pins, without per-key slot objects); the
-  outcome is the same.
+* save: ``Transport.save(request, task)`` stores the keys (how is the transport's:
+  see ``ems.client.transport``) and says per key whether it is stored; keys already
+  stored count as saved without a copy.
+* load: ``Transport.load(request, task)`` copies the leading hits into the caller's
+  memory and says how many. A key whose stored size differs from the request's is a
+  miss and nothing is written for it; nothing after a miss is copied.
 
 ``CcResult.success`` counts consecutive successes from the start of the batch.
 Many requests may be in flight; the object is safe to use from several threads.
@@ -29,9 +27,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import ems.keys as _keys
 from ems.client.layout import RegisteredLayout
 from ems.client.movers import V0Mover
-from ems.client.transport import GrantStatus, Transport
+from ems.client.transport import Transport
 from ems.config import (
     CcConfig,
     CcConfig_v1,
@@ -42,7 +41,6 @@ from ems.config import (
 )
 from ems.errors import EmsErrorCode, EmsException, invalid
 from ems.futures import Cancelled, CcFuture, CcResult, Task
-from ems import keys as _keys
 
 __all__ = ["ContextCaching", "ContextCache_v1"]
 
@@ -156,7 +154,7 @@ class ContextCaching:
             else:
                 sizes = layout.slot_sizes(_keys.validate_offsets(kwargs["offsets"], len(hs)))
         try:
-            n = self._transport.exists([prefix + str(h) for h in hs], sizes)
+            n = self._transport.exists([prefix + str(h) for h in hs], sizes, option)
         except EmsException as exc:
             logger.warning("ems: exists failed, answering 0: %s", exc)
             n = 0
@@ -268,14 +266,13 @@ class ContextCaching:
 
     def _run_here(self, req: _keys.Request) -> CcResult:
         task = Task(req.option.timeout, req.op, len(req.keys))
-        task.inline = True
         with self._lock:
             if self._closed:
                 raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
                                    "this ContextCaching was closed by Ems.finalize")
             self._inline += 1
         try:
-            self._execute(task, req)
+            self._execute(task, req, True)
         finally:
             with self._lock:
                 self._inline -= 1
@@ -292,19 +289,27 @@ class ContextCaching:
                                                         thread_name_prefix="ems-cc")
                     self._pid = os.getpid()
         try:
-            self._executor.submit(self._execute, task, req)
+            self._executor.submit(self._execute, task, req, False)
         except RuntimeError:  # executor shut down between the check and the submit
             raise EmsException(EmsErrorCode.EMS_NOT_INITIALIZED,
                                "this ContextCaching was closed by Ems.finalize") from None
         return CcFuture(task)
 
-    def _execute(self, task: Task, req: _keys.Request) -> None:
+    def _execute(self, task: Task, req: _keys.Request, spin: bool) -> None:
+        """Run one request on the transport's verb; ``spin``: a synchronous call in its
+        caller's thread (the transport may poll for replies)."""
         if not task.start():
             return
-        cleanup: list[Any] = []
         try:
-            body = self._run_save if req.op == "save" else self._run_load
-            result = body(task, req, cleanup)
+            if req.op == "save":
+                stored = self._transport.save(req, task, spin)
+                success = 0
+                while success < len(stored) and stored[success]:
+                    success += 1
+            else:
+                success = self._transport.load(req, task, spin)
+                if not task.decide():
+                    raise Cancelled
         except Cancelled:
             task.finish_cancelled()
         except EmsException as exc:
@@ -314,57 +319,7 @@ class ContextCaching:
             task.finish(None, EmsException(EmsErrorCode.EMS_INTERNAL_ERROR,
                                            f"{req.what} failed: {type(exc).__name__}: {exc}"))
         else:
-            task.finish(result, None)
-        finally:  # after the caller was answered: give back pins / reservations
-            for fn in cleanup:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001
-                    logger.exception("ems: cleanup after %s failed", req.what)
-
-    def _run_save(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
-        t = self._transport
-        stored = t.save_one_step(req.keys, req.sizes, req.mover, task)
-        if stored is not None:  # a small one went in one step (the daemon's lease)
-            success = 0
-            while success < len(stored) and stored[success]:
-                success += 1
-            return CcResult(success, len(req.keys))
-        slots = t.reserve(req.keys, req.sizes, task)
-        new = [i for i, s in enumerate(slots) if s.status is GrantStatus.NEW]
-        tokens = [slots[i].token for i in new]
-        try:
-            if new:
-                req.mover.to_pool(new, [(slots[i].segment, slots[i].offset) for i in new], task)
-            if not task.decide():
-                raise Cancelled
-        except BaseException:
-            if tokens:
-                cleanup.append(lambda: t.abort(tokens))
-            raise
-        committed = dict(zip(new, t.commit(tokens, task))) if tokens else {}
-        success = 0
-        for i, s in enumerate(slots):
-            if not (s.stored or committed.get(i, False)):
-                break
-            success += 1
-        return CcResult(success, len(req.keys))
-
-    def _run_load(self, task: Task, req: _keys.Request, cleanup: list) -> CcResult:
-        t = self._transport
-        loaded = t.load_one_step(req.keys, req.sizes, req.mover, task)
-        if loaded is not None:
-            if not task.decide():
-                raise Cancelled
-            return CcResult(loaded, len(req.keys))
-        pins = t.acquire(req.keys, req.sizes, task)
-        if pins:
-            tokens = [p.token for p in pins]
-            cleanup.append(lambda: t.release(tokens))
-            req.mover.from_pool(range(len(pins)), [(p.segment, p.offset) for p in pins], task)
-        if not task.decide():
-            raise Cancelled
-        return CcResult(len(pins), len(req.keys))
+            task.finish(CcResult(success, len(req.keys)), None)
 
 
 #: The name real V1 clients use in type hints.

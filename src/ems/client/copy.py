@@ -77,9 +77,10 @@ _probe_lock = threading.Lock()
 def _load_cudart() -> Optional[ctypes.CDLL]:
     names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
     try:  # torch wheels ship their runtime under nvidia/cuda_runtime/lib
-        import nvidia.cuda_runtime as _rt  # type: ignore[import-not-found]
         import glob
         import os
+
+        import nvidia.cuda_runtime as _rt  # type: ignore[import-not-found]
         for path in getattr(_rt, "__path__", []):
             names[:0] = sorted(glob.glob(os.path.join(path, "lib", "libcudart.so*")))
     except ImportError:

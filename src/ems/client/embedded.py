@@ -13,12 +13,18 @@ import threading
 from typing import Optional, Sequence
 
 from ems.client.segment import Segment
-from ems.client.transport import Slot, Transport
+from ems.client.transport import GrantStatus, Slot, Transport, two_phase_save
+from ems.config import CcKvOption
 from ems.errors import EmsErrorCode, EmsException
 from ems.futures import Task
-from ems.pool.core import GrantStatus, Pool, PoolStatistics
+from ems.keys import Request
+from ems.pool.core import GrantStatus as PoolGrant
+from ems.pool.core import Pool, PoolStatistics
 
 __all__ = ["EmbeddedTransport"]
+
+#: the pool's grant statuses in the vocabulary of the transports (same values)
+_STATUS = {g: GrantStatus(int(g)) for g in PoolGrant}
 
 
 class EmbeddedTransport(Transport):
@@ -50,35 +56,47 @@ class EmbeddedTransport(Transport):
     def _key(self, key: str) -> str:
         return self._ns + key
 
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+    def save(self, req: Request, task: Task, spin: bool = False) -> list[bool]:
+        """Reserve -> copy (outside the lock) -> commit (:func:`two_phase_save`)."""
+        return two_phase_save(req, task, self._reserve, self._commit, self._abort)
+
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task
+                 ) -> tuple[None, list[Slot]]:
         with self._lock:
             self._check()
             grants = self.pool.reserve([self._key(k) for k in keys], sizes)
-        return [Slot(g.status, g.token, self.segment if g.status is GrantStatus.NEW else None,
-                     g.offset, g.size) for g in grants]
+        return None, [Slot(_STATUS[g.status], g.token,
+                           self.segment if g.status is PoolGrant.NEW else None,
+                           g.offset, g.size) for g in grants]
 
-    def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
+    def _commit(self, _handle: None, tokens: list[int], task: Task) -> list[bool]:
         with self._lock:
             self._check()
             return self.pool.commit(tokens)
 
-    def abort(self, tokens: Sequence[int]) -> None:
+    def _abort(self, _handle: None, tokens: list[int]) -> None:
         with self._lock:
             if not self._closed:
                 self.pool.abort(tokens)
 
-    def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
+    def load(self, req: Request, task: Task, spin: bool = False) -> int:
+        """Pin the leading hits -> copy them out (outside the lock) -> unpin."""
         with self._lock:
             self._check()
-            pins = self.pool.acquire([self._key(k) for k in keys], sizes)
-        return [Slot(GrantStatus.EXISTS, p.token, self.segment, p.offset, p.size) for p in pins]
+            pins = self.pool.acquire([self._key(k) for k in req.keys], req.sizes)
+        if not pins:
+            return 0
+        try:
+            req.mover.from_pool(range(len(pins)), [(self.segment, p.offset) for p in pins],
+                                task)
+        finally:
+            with self._lock:
+                if not self._closed:
+                    self.pool.release([p.token for p in pins])
+        return len(pins)
 
-    def release(self, tokens: Sequence[int]) -> None:
-        with self._lock:
-            if not self._closed:
-                self.pool.release(tokens)
-
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               option: Optional[CcKvOption] = None) -> int:
         with self._lock:
             self._check()
             return self.pool.exists([self._key(k) for k in keys], sizes)

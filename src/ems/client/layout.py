@@ -404,7 +404,7 @@ class V1Mover:
             entry[1].append(i)
             entry[2].append(off)
         n_obj = len(self.sizes)
-        synced = set()
+        synced: set[Any] = set()
         for seg, objs, offs in by_segment.values():
             with seg.use():
                 self._move_segment(seg, objs, offs, n_obj, task, save, synced)

@@ -17,9 +17,9 @@ _fn: Optional[Any] = None
 #: ``copy_one(dst_address, src_address, n)``: one run (None without the extension)
 copy_one: Optional[Any] = None
 try:
-    from ems import _native as _mod
+    import importlib
 
-    _lib = ctypes.CDLL(_mod.__file__)
+    _lib = ctypes.CDLL(str(importlib.import_module("ems._native").__file__))
     _fn = _lib.ems_copy_runs
     _fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_int64]

@@ -6,16 +6,19 @@ client maps it once (a :class:`~ems.client.segment.Segment`); a save then copies
 caller's memory straight into the slots the daemon reserved, and a load copies the
 pinned slots straight into the caller's memory: one copy per direction.
 
-Small saves take one round trip: the connection holds a LEASE of pool space (asked
-for on the first small save, renewed with a ``Put`` reply before it runs out), and
-``reserve`` hands out slots of it here, with no request (bump allocation under a
-lock, "local" tokens); ``commit`` then sends one ``Put`` that the daemon answers once
-every key is committed (visible to every process) or found stored (EXISTS/BUSY, its
-range freed). A save whose bytes exceed a quarter of the lease goes the usual way
-(``Reserve`` + ``Commit``). A lease belongs to its connection, like tokens do. A
-small save takes it in one step (:meth:`RemoteTransport.save_one_step`: cut ranges,
-copy, Put, without slots or tokens), and a load another
-(:meth:`RemoteTransport.load_one_step`: pin, copy, unpin).
+The verbs (see ``ems.client.transport``)::
+
+    save(req)  small (<= a quarter of the lease): cut ranges from the lease -> copy -> Put
+               (one round trip; the first small save of a connection asks for a Lease)
+               large, or no lease to be had: Reserve -> copy -> Commit (two_phase_save)
+    load(req)  Acquire (pins the leading hits) -> copy -> Release (one-way)
+
+The connection holds a LEASE of pool space (asked for on the first small save,
+renewed with a ``Put`` reply before it runs out); a ``Put`` is answered once every key
+is committed (visible to every process) or found stored (EXISTS/BUSY, its range
+freed). A lease belongs to its connection, like reservation tokens and pins do: none
+of them is ever sent on another connection. Batches go in slices of the daemon's
+``max_keys`` (its Welcome).
 
 Concurrency: one connection per process, shared by every worker thread. Requests
 carry ids; the thread that waits for a reply reads the socket itself when no other
@@ -57,6 +60,7 @@ first use (and maps the tenant's memory again through it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -67,17 +71,17 @@ from typing import Any, Callable, Optional, Sequence
 
 from ems.client.session import (
     _ALIGN,
-    _GEN_SHIFT,
-    _LOCAL,
     LIVENESS_S,
     _bad_reply,
     _io_error,
     _Session,
     fresh,
 )
-from ems.client.transport import GrantStatus, Slot, Transport
+from ems.client.transport import GrantStatus, Slot, Transport, two_phase_save
+from ems.config import CcKvOption
 from ems.errors import EmsErrorCode, EmsException
 from ems.futures import Cancelled, Task
+from ems.keys import Request
 from ems.pool.core import PoolStatistics
 from ems.protocol import messages as m
 
@@ -91,17 +95,15 @@ HEALTH_TIMEOUT_S = 1.0
 CONTROL_TIMEOUT_S = 5.0
 #: Share of the daemon's reservation TTL a save may spend copying.
 _TTL_SHARE = 0.8
-_TOKEN_MASK = (1 << _GEN_SHIFT) - 1
 #: After the daemon had no room for a lease, small saves go the usual way this long.
 _LEASE_RETRY_S = 1.0
-_LOCAL_MASK = _LOCAL - 1
-_NEW, _EXISTS = GrantStatus.NEW, GrantStatus.EXISTS
+_NEW = GrantStatus.NEW
 #: The hot requests go out in their wire form (``[TYPE, fields...]``), no object built.
 _PUT, _ACQUIRE = m.Put.TYPE, m.Acquire.TYPE
 
 
-def _pack(gen: int, token: int) -> int:
-    return (gen << _GEN_SHIFT) | token
+def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) -> Any:
+    return make(rid, lo, hi)
 
 
 # ---------------------------------------------------------------------- transport
@@ -170,17 +172,17 @@ class RemoteTransport(Transport):
                                "the ems-server client was closed (Ems.finalize)")
 
     def _call(self, msg_for: Callable[[int], Any], task: Optional[Task],
-              session: Optional[_Session] = None) -> tuple[_Session, m.Message]:
-        """One request within the task's deadline (or the default bounds)."""
+              session: Optional[_Session] = None, spin: bool = False
+              ) -> tuple[_Session, m.Message]:
+        """One request within the task's deadline (or the default bounds), polling for
+        the reply first when ``spin`` (a synchronous call: ``EMS_SPIN_US``)."""
         if self._closed:
             self._check_open()
         bounded = True  # by the task's deadline (or CONTROL_TIMEOUT_S without a task)
-        spin_s = 0.0
+        spin_s = self.spin_s if spin else 0.0
         if task is None:
             wait_s = CONTROL_TIMEOUT_S
         else:
-            if task.inline:
-                spin_s = self.spin_s
             if task.deadline is None:
                 wait_s, bounded = LIVENESS_S, False
             else:
@@ -224,7 +226,8 @@ class RemoteTransport(Transport):
 
     def _sliced(self, n: int, make: Callable[[int, int, int], Any], cls: type,
                 task: Optional[Task], more: Callable[[Any, int], bool],
-                undo: Callable[[_Session, list], None]) -> tuple[_Session, list]:
+                undo: Callable[[_Session, list], None], spin: bool = False
+                ) -> tuple[_Session, list]:
         """A batch of ``n`` entries as requests of at most the daemon's ``max_keys``
         entries each (``Limits.max_keys_per_request``), in order on one connection:
         ``make(rid, lo, hi)`` builds slice ``[lo, hi)``; ``more(reply, hi - lo)`` says
@@ -235,7 +238,8 @@ class RemoteTransport(Transport):
         try:
             while True:
                 hi = min(n, lo + step)
-                _, reply = self._call(lambda rid, lo=lo, hi=hi: make(rid, lo, hi), task, session)
+                _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task, session,
+                                      spin)
                 if type(reply) is not cls:
                     raise _bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
                 replies.append(reply)
@@ -248,176 +252,59 @@ class RemoteTransport(Transport):
             raise
 
     # ------------------------------------------------------------ Transport
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
-        session = self._session
-        if session is not None and session.broken is None and session.segment is not None:
-            slots = self._reserve_local(session, keys, sizes, task)
-            if slots is not None:
-                return slots
-        sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
-        keys, sizes = list(keys), list(sizes)
+    def save(self, req: Request, task: Task, spin: bool = False) -> list[bool]:
+        """A small save through the lease (cut ranges, copy, one Put: one round trip),
+        asking for a lease when it is short; the others, and small ones when no lease
+        can be had, as :func:`two_phase_save` (Reserve, copy, Commit)."""
+        session = self._ready(task)
+        if session.segment is not None and session.fits_lease(req.sizes):
+            stored = self._save_leased(session, req, task, spin)
+            if stored is not None:
+                return stored
+        return two_phase_save(req, task, functools.partial(self._reserve, spin=spin),
+                              functools.partial(self._commit, spin=spin), self._abort)
 
-        def undo(session: _Session, replies: list) -> None:
-            for r in replies:
-                self._undo_granted(session, r)
-        session, replies = self._sliced(
-            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi]),
-            m.Granted, task, lambda r, n: len(r.statuses) == n, undo)
-        reply = replies[0] if len(replies) == 1 else m.Granted(
-            replies[0].rid, *([x for r in replies for x in getattr(r, f)]
-                              for f in ("statuses", "tokens", "offsets", "sizes")))
-        if len(reply.statuses) != len(keys):
-            undo(session, replies)
-            raise _bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
-                             f"{len(keys)} keys")
-        slots = []
-        try:
-            for i, status_value in enumerate(reply.statuses):
-                status = GrantStatus(status_value)
-                if status is GrantStatus.NEW:
-                    self._check_range(session, reply.offsets[i], reply.sizes[i], sizes[i])
-                    slots.append(Slot(status, _pack(session.gen, reply.tokens[i]),
-                                      session.segment, reply.offsets[i], reply.sizes[i]))
-                else:
-                    slots.append(Slot(status))
-        except (ValueError, EmsException) as exc:
-            self._undo_granted(session, reply)
-            if isinstance(exc, EmsException):
-                raise
-            raise _bad_reply(f"an unknown grant status: {exc}") from None
-        if any(slot.segment is not None for slot in slots):
-            # The daemon frees a reservation after its TTL and may give the space to
-            # another key: the copy must stop (at its next checkpoint, EMS_IO_TIMEOUT)
-            # well before that, also when the request itself has no deadline.
-            cutoff = sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE
-            if task.deadline is None or task.deadline > cutoff:
-                task.deadline = cutoff
-        return slots
-
-    def _undo_granted(self, session: _Session, reply: m.Granted) -> None:
-        tokens = [t for s, t in zip(reply.statuses, reply.tokens) if s == GrantStatus.NEW]
-        self._post_list(session, tokens, m.Abort)
-
-    def _post_list(self, session: _Session, tokens: Sequence[int],
-                   kind: Callable[[list], m.Message]) -> None:
-        """One-way messages of raw tokens, in slices the daemon takes."""
-        step = session.max_keys
-        for lo in range(0, len(tokens), step):
-            session.post(kind(list(tokens[lo:lo + step])))
-
-    def _reserve_local(self, session: _Session, keys: Sequence[str], sizes: Sequence[int],
-                       task: Task) -> Optional[list[Slot]]:
-        """Slots of the lease for a small save (None: go the usual way)."""
-        segment = session.segment
-        assert segment is not None
-        if not keys or not session.fits_lease(sizes):
-            return None
-        if self._closed:
-            self._check_open()
-        deadline = task.deadline
-        if deadline is not None and deadline <= time.monotonic():
-            raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, f"{task.what} ran out of time")
-        ids = session.take(keys, sizes)
-        if ids is None:
+    def _save_leased(self, session: _Session, req: Request, task: Task, spin: bool
+                     ) -> Optional[list[bool]]:
+        """Per key whether it is stored; None when no lease can be had now."""
+        cut = session.take_ranges(req.sizes, want=True)
+        if cut is None:  # short: a fresh lease (one round trip), unless refused lately
             if time.monotonic() < session.lease_refused_until:
                 return None
-            _, reply = self._call(lambda rid: m.Lease(rid), task, session)
+            _, reply = self._call(lambda rid: m.Lease(rid), task, session, spin)
             if not isinstance(reply, m.Leased):
                 raise _bad_reply(f"{type(reply).__name__} for a Lease")
             if not reply.size:
                 session.lease_refused_until = time.monotonic() + _LEASE_RETRY_S
                 return None
             self._install(session, reply.offset, reply.size)
-            ids = session.take(keys, sizes)
-            if ids is None:  # other threads used it up first
+            cut = session.take_ranges(req.sizes, want=True)
+            if cut is None:  # other threads used it up first
                 return None
-        base = _pack(session.gen, _LOCAL)
-        return [Slot(_NEW, base | lid, segment, offset, size)
-                for (lid, offset), size in zip(ids, sizes)]
-
-    def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
-        if not tokens:
-            return []
-        session = self._session
-        if session is None or session.broken is not None or any(
-                t >> _GEN_SHIFT != session.gen for t in tokens):
-            raise _io_error("the connection to ems-server was lost during this save; "
-                            "its reservations are gone")
-        local = [t for t in tokens if t & _LOCAL]
-        if local:
-            if len(local) == len(tokens):
-                return self._put(session, tokens, task)
-            ok = dict(zip(local, self._put(session, local, task)))
-            ok.update(zip([t for t in tokens if not t & _LOCAL],
-                          self.commit([t for t in tokens if not t & _LOCAL], task)))
-            return [ok[t] for t in tokens]
-        raw = [t & _TOKEN_MASK for t in tokens]
-        try:
-            _, replies = self._sliced(
-                len(raw), lambda rid, lo, hi: m.Commit(rid, raw[lo:hi]), m.Committed, task,
-                lambda r, n: True, lambda s, r: None)
-        except EmsException:
-            # Nobody aborts after a failed commit: do it here. If the commit did reach
-            # the daemon, this comes after it on the same connection and is a no-op.
-            self._post_list(session, raw, m.Abort)
-            raise
-        ok = [x for r in replies for x in r.ok]
-        if len(ok) != len(tokens):
-            raise _bad_reply(f"Committed of {len(ok)} for a Commit of {len(tokens)} tokens")
-        return ok
-
-    def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
-                      task: Task) -> Optional[list[bool]]:
-        """A small save in one call: ranges cut from the lease, ``mover`` copies into
-        them, one Put (the steps of reserve + copy + commit, without their per-key
-        slots and tokens). None: not through the lease (the caller goes the usual way,
-        which also renews a lease that ran out)."""
-        session = self._session
-        if (session is None or session.broken is not None or session.segment is None
-                or not session.fits_lease(sizes)):
-            return None
-        if self._closed:
-            self._check_open()
-        cut = session.take_ranges(sizes, want=True)
-        if cut is None:
-            return None
         offsets, want = cut
         segment = session.segment
+        sizes = list(req.sizes)
         try:
-            mover.to_pool(range(len(offsets)), [(segment, offset) for offset in offsets],
-                          task)
+            req.mover.to_pool(range(len(offsets)), [(segment, offset) for offset in offsets],
+                              task)
             if not task.decide():
                 raise Cancelled
         except BaseException:
             if want:
                 session.lease_asked = False
-            session.post(m.Return(list(offsets), list(sizes)))
+            session.post(m.Return(list(offsets), sizes))
             raise
-        return self._put_ranges(session, list(keys), offsets, list(sizes), want, task)
+        return self._put(session, list(req.keys), offsets, sizes, want, task, spin)
 
-    def _put(self, session: _Session, tokens: Sequence[int], task: Task) -> list[bool]:
-        """Commit slots of the lease: one Put, one round trip."""
-        local = session.local
-        with session.lease_lock:
-            entries = [local.pop(t & _LOCAL_MASK, None) for t in tokens]
-            want = session.want_lease_locked()
-        if None in entries:
-            if want:
-                session.lease_asked = False
-            self._give_back(session, [e for e in entries if e is not None])
-            raise _io_error("slots of this save were given back already")
-        keys, offsets, sizes = (list(column) for column in zip(*entries))
-        return self._put_ranges(session, keys, offsets, sizes, want, task)
-
-    def _put_ranges(self, session: _Session, keys: list[str], offsets: list[int],
-                    sizes: list[int], want: bool, task: Task) -> list[bool]:
+    def _put(self, session: _Session, keys: list[str], offsets: list[int], sizes: list[int],
+             want: bool, task: Task, spin: bool) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
             _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want], task,
-                                  session)
+                                  session, spin)
         except EmsException:
-            # As for a failed commit: if the Put did reach the daemon, this comes after
-            # it and finds the ranges carved already (and is ignored).
+            # If the Put did reach the daemon, this comes after it and finds the ranges
+            # carved already (and is ignored).
             session.post(m.Return(offsets, sizes))
             raise
         finally:
@@ -437,52 +324,108 @@ class RemoteTransport(Transport):
             raise _bad_reply(f"a lease [{offset}, +{size}) outside its segment")
         session.install_lease(offset, size)
 
-    @staticmethod
-    def _give_back(session: _Session, entries: Sequence[tuple[str, int, int]]) -> None:
-        if entries:
-            session.post(m.Return([e[1] for e in entries], [e[2] for e in entries]))
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task,
+                 spin: bool = False) -> tuple[_Session, list[Slot]]:
+        """Reserve (in slices of the daemon's max_keys); the slots of NEW keys, and the
+        connection they belong to (their tokens mean nothing on another)."""
+        sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
+        keys, sizes = list(keys), list(sizes)
 
-    def abort(self, tokens: Sequence[int]) -> None:
-        session = self._session
-        local = [t for t in tokens if t & _LOCAL]
-        if local and session is not None and not self._closed:
-            with session.lease_lock:
-                entries = [session.local.pop(t & _LOCAL_MASK, None) for t in local
-                           if t >> _GEN_SHIFT == session.gen]
-            self._give_back(session, [e for e in entries if e is not None])
-            tokens = [t for t in tokens if not t & _LOCAL]
-        self._post_tokens(tokens, m.Abort)
+        def undo(session: _Session, replies: list) -> None:
+            for r in replies:
+                self._undo_granted(session, r)
+        session, replies = self._sliced(
+            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi]),
+            m.Granted, task, lambda r, n: len(r.statuses) == n, undo, spin)
+        reply = replies[0] if len(replies) == 1 else m.Granted(
+            replies[0].rid, *([x for r in replies for x in getattr(r, f)]
+                              for f in ("statuses", "tokens", "offsets", "sizes")))
+        if len(reply.statuses) != len(keys):
+            undo(session, replies)
+            raise _bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
+                             f"{len(keys)} keys")
+        slots = []
+        try:
+            for i, status_value in enumerate(reply.statuses):
+                status = GrantStatus(status_value)
+                if status is _NEW:
+                    self._check_range(session, reply.offsets[i], reply.sizes[i], sizes[i])
+                    slots.append(Slot(status, reply.tokens[i], session.segment,
+                                      reply.offsets[i], reply.sizes[i]))
+                else:
+                    slots.append(Slot(status))
+        except (ValueError, EmsException) as exc:
+            self._undo_granted(session, reply)
+            if isinstance(exc, EmsException):
+                raise
+            raise _bad_reply(f"an unknown grant status: {exc}") from None
+        if any(slot.segment is not None for slot in slots):
+            # The daemon frees a reservation after its TTL and may give the space to
+            # another key: the copy must stop (at its next checkpoint, EMS_IO_TIMEOUT)
+            # well before that, also when the request itself has no deadline.
+            cutoff = sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE
+            if task.deadline is None or task.deadline > cutoff:
+                task.deadline = cutoff
+        return session, slots
 
-    def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
-        session, reply = self._pin(keys, sizes, task)
-        segment, gen = session.segment, session.gen << _GEN_SHIFT
-        return [Slot(_EXISTS, gen | token, segment, offset, size)
-                for token, offset, size in zip(reply.tokens, reply.offsets, reply.sizes)]
+    def _commit(self, session: _Session, tokens: list[int], task: Task,
+                spin: bool = False) -> list[bool]:
+        if session is not self._session or session.broken is not None:
+            raise _io_error("the connection to ems-server was lost during this save; "
+                            "its reservations are gone")
+        try:
+            _, replies = self._sliced(
+                len(tokens), lambda rid, lo, hi: m.Commit(rid, tokens[lo:hi]), m.Committed,
+                task, lambda r, n: True, lambda s, r: None, spin)
+        except EmsException:
+            # Nobody aborts after a failed commit: do it here. If the commit did reach
+            # the daemon, this comes after it on the same connection and is a no-op.
+            self._post_list(session, tokens, m.Abort)
+            raise
+        done = [x for r in replies for x in r.ok]
+        if len(done) != len(tokens):
+            raise _bad_reply(f"Committed of {len(done)} for a Commit of {len(tokens)} tokens")
+        return done
 
-    def load_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
-                      task: Task) -> Optional[int]:
-        """A load in one call: pin the leading hits, ``mover`` copies them out, unpin;
-        how many leading keys were loaded."""
-        session, reply = self._pin(keys, sizes, task)
+    def _abort(self, session: _Session, tokens: list[int]) -> None:
+        """Best effort: tokens mean something only on the connection that got them."""
+        if session is self._session and not self._closed:
+            self._post_list(session, tokens, m.Abort)
+
+    def _undo_granted(self, session: _Session, reply: m.Granted) -> None:
+        tokens = [t for s, t in zip(reply.statuses, reply.tokens) if s == GrantStatus.NEW]
+        self._post_list(session, tokens, m.Abort)
+
+    def _post_list(self, session: _Session, tokens: Sequence[int],
+                   kind: Callable[[list], m.Message]) -> None:
+        """One-way messages of tokens, in slices the daemon takes."""
+        step = session.max_keys
+        for lo in range(0, len(tokens), step):
+            session.post(kind(list(tokens[lo:lo + step])))
+
+    def load(self, req: Request, task: Task, spin: bool = False) -> int:
+        """Pin the leading hits, copy them out, unpin: how many leading keys loaded."""
+        session, reply = self._pin(list(req.keys), list(req.sizes), task, spin)
         if not reply.tokens:
             return 0
         segment = session.segment
         try:
-            mover.from_pool(range(len(reply.tokens)),
-                            [(segment, offset) for offset in reply.offsets], task)
+            req.mover.from_pool(range(len(reply.tokens)),
+                                [(segment, offset) for offset in reply.offsets], task)
         finally:
             self._post_list(session, reply.tokens, m.Release)
         return len(reply.tokens)
 
-    def _pin(self, keys: Sequence[str], sizes: Sequence[int], task: Task
+    def _pin(self, keys: list[str], sizes: list[int], task: Task, spin: bool
              ) -> tuple[_Session, m.Pinned]:
-        """Acquire, and check that every pinned range is in the segment and of the
-        expected size (else unpin and raise)."""
-        keys, sizes = list(keys), list(sizes)
+        """Acquire (in slices of the daemon's max_keys, stopping at the first miss), and
+        check that every pinned range is in the segment and of the expected size (else
+        unpin and raise)."""
         session = self._session
         if (session is not None and session.broken is None
                 and len(keys) <= session.max_keys):  # the usual case: one request
-            session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task)
+            session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task,
+                                        None, spin)
             if type(reply) is not m.Pinned:
                 raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
         else:
@@ -490,7 +433,7 @@ class RemoteTransport(Transport):
                 self._post_list(session, [t for r in replies for t in r.tokens], m.Release)
             session, replies = self._sliced(
                 len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi]],
-                m.Pinned, task, lambda r, n: len(r.tokens) == n, release)
+                m.Pinned, task, lambda r, n: len(r.tokens) == n, release, spin)
             reply = replies[0] if len(replies) == 1 else m.Pinned(
                 replies[0].rid, *([x for r in replies for x in getattr(r, f)]
                                   for f in ("tokens", "offsets", "sizes")))
@@ -505,10 +448,8 @@ class RemoteTransport(Transport):
             raise
         return session, reply  # type: ignore[return-value]
 
-    def release(self, tokens: Sequence[int]) -> None:
-        self._post_tokens(tokens, m.Release)
-
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               option: Optional[CcKvOption] = None) -> int:
         keys = list(keys)
         want = None if sizes is None else list(sizes)
         _, replies = self._sliced(
@@ -556,15 +497,6 @@ class RemoteTransport(Transport):
                 session.segment.retire()
 
     # ------------------------------------------------------------ internals
-    def _post_tokens(self, tokens: Sequence[int], kind: Callable[[list], m.Message]) -> None:
-        """Best effort: only tokens of the live connection mean anything to the daemon."""
-        session = self._session
-        if session is None or self._closed:
-            return
-        raw = [t & _TOKEN_MASK for t in tokens if t >> _GEN_SHIFT == session.gen]
-        if raw:
-            self._post_list(session, raw, kind)
-
     @staticmethod
     def _check_range(session: _Session, offset: int, size: int, expected: int) -> None:
         seg = session.segment

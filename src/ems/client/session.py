@@ -46,10 +46,10 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from ems.client.segment import Segment
-from ems.client.transport import GrantStatus
 from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import FrameDecoder, auth_mac, encode, encode_wire
 from ems.protocol import messages as m
+from ems.protocol.messages import GrantStatus
 
 __all__ = ["LIVENESS_S", "probe"]
 
@@ -63,8 +63,6 @@ LIVENESS_S = 30.0
 #: Longest a one-way message (release, abort, return) waits to be sent.
 POST_WAIT_S = 0.1
 
-_GEN_SHIFT = 56  # client token = connection generation << 56 | daemon token
-_LOCAL = 1 << (_GEN_SHIFT - 1)  # a slot of the lease (its key is kept here)
 #: The pool's allocation unit (``Allocator``'s default); the daemon checks every range.
 _ALIGN = 64
 #: Longest the watcher reads for replies nobody waits for before it looks again
@@ -177,16 +175,14 @@ class _Session:
         self._hangup = False  # the watcher saw the daemon hang up
         self._watcher_waits = False  # for _lead_free
         self._rids = itertools.count(1)
-        # The lease: [lease_cursor, lease_end) is not handed out yet; slots handed out
-        # wait in ``local`` (id -> key, offset, size) for their Put or Return.
+        # The lease: [lease_cursor, lease_end) is not handed out yet; ranges handed out
+        # belong to their save until its Put (or Return).
         self.lease_lock = threading.Lock()
         self.lease_cursor = self.lease_end = self.lease_size = 0
         self.lease_asked = False  # a Put with want_lease is in flight
         self.lease_refused_until = 0.0
-        self.local: dict[int, tuple[str, int, int]] = {}
         #: a save of at most this many bytes goes through the lease
         self._small_save_bytes = m.lease_bytes(segment.size) // 4 if segment else 0
-        self._local_ids = itertools.count(1)
         sock.setblocking(False)  # every wait is a poll bounded by a deadline
         self._read_poll = select.poll()  # the leader's
         self._read_poll.register(sock.fileno(), select.POLLIN)
@@ -467,21 +463,6 @@ class _Session:
             self._send_lock.release()
 
     # ------------------------------------------------------------ lease
-    def take(self, keys: Sequence[str], sizes: Sequence[int]
-             ) -> Optional[list[tuple[int, int]]]:
-        """(local id, offset) of slots for ``keys`` cut from the lease, or None when it
-        is short. The slots wait in ``local`` for their Put or Return."""
-        local, ids = self.local, []
-        with self.lease_lock:
-            offsets = self._cut_locked(sizes)
-            if offsets is None:
-                return None
-            for key, size, offset in zip(keys, sizes, offsets):
-                lid = next(self._local_ids)
-                local[lid] = (key, offset, size)
-                ids.append((lid, offset))
-        return ids
-
     def fits_lease(self, sizes: Sequence[int]) -> bool:
         """Whether a save of ``sizes`` is small enough to go through the lease (at most
         a quarter of it, counting each value's alignment, and one Put of keys)."""

@@ -1,28 +1,46 @@
-"""The seam between ContextCaching and a pool: the embedded pool or the daemon.
+"""The seam between ContextCaching and a pool: one call per verb.
 
-A transport answers control questions (reserve, commit, acquire, release, exists) in
-batches, and hands out :class:`~ems.client.segment.Segment` objects: pool memory
-mapped into this process, into which the client copies directly. Transports are
-thread-safe; every method may raise :class:`~ems.errors.EmsException` (``EMS_IO_*``
-for a lost pool) and nothing else.
+A transport is asked to *save* or *load* a normalised request (``ems.keys.Request``:
+storage keys, value sizes, a mover that copies item ``i`` between the caller's memory
+and pool memory, the options) and owns how it does it::
+
+    ContextCaching.save --> Transport.save(req, task) --> per key: stored?
+                              embedded: reserve -> copy -> commit   (two_phase_save)
+                              daemon:   small: cut from the lease -> copy -> Put
+                                        large: Reserve -> copy -> Commit (two_phase_save)
+    ContextCaching.load --> Transport.load(req, task) --> leading keys loaded
+                              pin the leading hits -> copy -> unpin
+
+``ContextCaching`` normalises the input and counts leading successes, nothing more.
+A transport is thread-safe and raises only :class:`~ems.errors.EmsException`
+(``EMS_IO_*`` for a lost pool) or :class:`~ems.futures.Cancelled` (the task stopped at
+a checkpoint: its deadline passed, or its caller gave up). ``spin`` asks a transport
+that waits for replies to poll for them first (a synchronous call in its caller's
+thread, ``EMS_SPIN_US``); asynchronous requests never spin.
+
+:func:`two_phase_save` is the save that every pool can do with three operations
+(reserve, commit, abort); the embedded pool saves this way, the daemon for saves too
+large for its lease.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from ems.client.segment import Segment
-from ems.futures import Task
-from ems.pool.core import GrantStatus
+from ems.config import CcKvOption
+from ems.futures import Cancelled, Task
+from ems.keys import Request
+from ems.protocol.messages import GrantStatus
 
-__all__ = ["Slot", "Transport", "GrantStatus"]
+__all__ = ["GrantStatus", "Slot", "Transport", "two_phase_save"]
 
-_EXISTS, _BUSY = GrantStatus.EXISTS, GrantStatus.BUSY
+_NEW, _EXISTS, _BUSY = GrantStatus.NEW, GrantStatus.EXISTS, GrantStatus.BUSY
 
 
 class Slot(NamedTuple):
-    """A reservation (save) or a pin (load) of one key: where its bytes are.
+    """A reservation of one key (the answer of a transport's reserve operation).
 
     (A NamedTuple: immutable, and built per key on every call at a third of a frozen
     dataclass's cost.)"""
@@ -33,54 +51,52 @@ class Slot(NamedTuple):
     offset: int = 0
     size: int = 0
 
-    @property
-    def stored(self) -> bool:
-        """Counts as saved without a copy (write-once key, or another writer's)."""
-        return self.status is _EXISTS or self.status is _BUSY
+
+def two_phase_save(req: Request, task: Task,
+                   reserve: Callable[[Sequence[str], Sequence[int], Task], tuple[Any, list[Slot]]],
+                   commit: Callable[[Any, list[int], Task], list[bool]],
+                   abort: Callable[[Any, list[int]], None]) -> list[bool]:
+    """Reserve every key (one batch), copy the NEW ones into pool memory, commit them
+    (one batch); per key whether it is stored. EXISTS (write-once) and BUSY (another
+    writer's) count as stored without a copy. ``reserve`` returns a handle (what the
+    reservations belong to, e.g. a connection) that ``commit``/``abort`` get back; a
+    copy that fails or is cancelled aborts the reservations."""
+    handle, slots = reserve(req.keys, req.sizes, task)
+    new = [i for i, s in enumerate(slots) if s.status is _NEW]
+    tokens = [slots[i].token for i in new]
+    try:
+        if new:
+            req.mover.to_pool(new, [(slots[i].segment, slots[i].offset) for i in new], task)
+        if not task.decide():  # the last checkpoint: publish, or give the space back
+            raise Cancelled
+    except BaseException:
+        if tokens:
+            abort(handle, tokens)
+        raise
+    committed = dict(zip(new, commit(handle, tokens, task))) if tokens else {}
+    return [s.status is _EXISTS or s.status is _BUSY or committed.get(i, False)
+            for i, s in enumerate(slots)]
 
 
 class Transport(abc.ABC):
-    """What ContextCaching needs from a pool."""
+    """What ContextCaching needs from a pool (see the module docstring)."""
 
     #: "embedded" or "server", for logs and ``ems stats``
     kind: str = "?"
 
     @abc.abstractmethod
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
-        """One slot per key: NEW (copy, then commit), EXISTS/BUSY, FULL, TOO_LARGE."""
-
-    def save_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
-                      task: Task) -> Optional[list[bool]]:
-        """Optionally, a whole save in one step (``mover.to_pool`` copies item ``i`` as
-        key ``i``): per key, whether it is stored; None when this transport does not
-        take it (then: reserve, copy, commit)."""
-        return None
-
-    def load_one_step(self, keys: Sequence[str], sizes: Sequence[int], mover: Any,
-                      task: Task) -> Optional[int]:
-        """Optionally, a whole load in one step (pin the leading hits, ``mover.from_pool``
-        copies them out, unpin): how many leading keys were loaded; None when this
-        transport does not take it (then: acquire, copy, release)."""
-        return None
+    def save(self, req: Request, task: Task, spin: bool = False) -> list[bool]:
+        """Store each key of ``req``; per key whether it is stored. The task has
+        decided (``task.decide()``) before anything became visible."""
 
     @abc.abstractmethod
-    def commit(self, tokens: Sequence[int], task: Task) -> list[bool]:
-        """Make reserved keys visible; False for a reservation that was lost."""
+    def load(self, req: Request, task: Task, spin: bool = False) -> int:
+        """Copy the leading keys stored with exactly ``req.sizes`` into the caller's
+        memory, stopping at the first miss; how many were loaded."""
 
     @abc.abstractmethod
-    def abort(self, tokens: Sequence[int]) -> None:
-        """Give back reservations (best effort: never raises)."""
-
-    @abc.abstractmethod
-    def acquire(self, keys: Sequence[str], sizes: Sequence[int], task: Task) -> list[Slot]:
-        """Pin the leading keys stored with exactly these sizes; stop at the first miss."""
-
-    @abc.abstractmethod
-    def release(self, tokens: Sequence[int]) -> None:
-        """Unpin (best effort: never raises)."""
-
-    @abc.abstractmethod
-    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]]) -> int:
+    def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               option: Optional[CcKvOption] = None) -> int:
         """How many leading keys are stored (with these sizes, where given)."""
 
     @abc.abstractmethod

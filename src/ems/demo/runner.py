@@ -242,7 +242,8 @@ def _run_cached(engine: Engine, settings: DemoSettings, requests: Sequence[Reque
         pool = None
         if hasattr(cc, "statistics"):
             stats = cc.statistics()
-            pool = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None
+            pool = (dataclasses.asdict(stats)  # type: ignore[arg-type]
+                    if dataclasses.is_dataclass(stats) else None)
         return _CachedRun(results, dataclasses.asdict(connector.stats), pool)
     finally:
         engine.attach(None)

@@ -88,6 +88,20 @@ class PoolStatistics:
     expired_reservations: int
     #: pool space held by connections' leases (part of ``used_bytes``)
     leased_bytes: int = 0
+    #: bytes of the objects pinned by hits / made visible by commits and carves
+    hit_bytes: int = 0
+    stored_bytes: int = 0
+    #: why lookups missed: no such key, a key of another size, a key still being written
+    miss_absent: int = 0
+    miss_size_mismatch: int = 0
+    miss_pending: int = 0
+    #: reservations refused: no room after evicting all it could / bigger than the pool
+    refused_full: int = 0
+    refused_too_large: int = 0
+    #: the arena (the tenant's memory); ``capacity_bytes`` is the usage limit within it
+    arena_bytes: int = 0
+    #: connections holding a lease
+    leases: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -152,6 +166,9 @@ class Pool:
         self._leased = 0
         self._committed = 0
         self._hits = self._misses = self._evictions = self._expired = 0
+        self._hit_bytes = self._stored_bytes = 0
+        self._miss_absent = self._miss_size = self._miss_pending = 0
+        self._refused_full = self._refused_too_large = 0
 
     # ------------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
@@ -176,10 +193,12 @@ class Pool:
                         grants.append(Grant(GrantStatus.BUSY))
                     continue
                 if self.allocator.round_up(size) > self.capacity_bytes:
+                    self._refused_too_large += 1
                     grants.append(Grant(GrantStatus.TOO_LARGE))
                     continue
                 offset = self._alloc(size)
                 if offset is None:
+                    self._refused_full += 1
                     grants.append(Grant(GrantStatus.FULL))
                     continue
                 obj = _Object(key, offset, size, _State.RESERVED, owner,
@@ -204,6 +223,7 @@ class Pool:
             del self._reservations[token]
             obj.state = _State.COMMITTED
             self._committed += 1
+            self._stored_bytes += obj.size
             self._policy.insert(obj.key)
             out.append(True)
         return out
@@ -257,6 +277,7 @@ class Pool:
                 obj = _Object(key, offset, size, _State.COMMITTED, owner)
                 self._objects[key] = obj
                 self._committed += 1
+                self._stored_bytes += size
                 self._policy.insert(key)
                 out.append(GrantStatus.NEW)
             else:
@@ -332,8 +353,15 @@ class Pool:
             if obj is None or obj.state is not _State.COMMITTED or (
                     want is not None and want != obj.size):
                 self._misses += 1
+                if obj is None:
+                    self._miss_absent += 1
+                elif obj.state is not _State.COMMITTED:
+                    self._miss_pending += 1
+                else:
+                    self._miss_size += 1
                 break
             self._hits += 1
+            self._hit_bytes += obj.size
             if obj.pins == 0:
                 self._policy.remove(key)
             obj.pins += 1
@@ -412,7 +440,39 @@ class Pool:
             evictions=self._evictions,
             expired_reservations=self._expired,
             leased_bytes=self._leased,
+            hit_bytes=self._hit_bytes,
+            stored_bytes=self._stored_bytes,
+            miss_absent=self._miss_absent,
+            miss_size_mismatch=self._miss_size,
+            miss_pending=self._miss_pending,
+            refused_full=self._refused_full,
+            refused_too_large=self._refused_too_large,
+            arena_bytes=self.allocator.capacity_bytes,
+            leases=len(self._leases),
         )
+
+    def set_capacity(self, capacity_bytes: int) -> int:
+        """Change the usage limit live (a tenant's quota): at most the arena, whose
+        memory is fixed (a sealed memfd); returns the limit now in force.
+
+        Raising it only lets the pool use more of its arena. Lowering it evicts LRU
+        objects until the used bytes fit (the rest of the cache stays); pinned, reserved
+        and leased bytes cannot be evicted, so the pool may stay over its limit until
+        they are released, and meanwhile every new allocation evicts first (or is FULL).
+        Lowering never moves objects: offsets that clients hold stay valid.
+        """
+        a = self.allocator.alignment
+        limit = max(0, min(int(capacity_bytes), self.allocator.capacity_bytes)) // a * a
+        self.capacity_bytes = limit
+        allocator = self.allocator
+        while allocator.used_bytes > limit:
+            victim = self._policy.victim()
+            if victim is None:
+                break
+            self._policy.remove(victim)
+            self._drop(self._objects[victim])
+            self._evictions += 1
+        return limit
 
     def keys(self) -> list[Hashable]:
         """Committed keys (tests and ``ems stats`` use it)."""
@@ -430,7 +490,8 @@ class Pool:
         """
         allocator = self.allocator
         need = allocator.round_up(size)
-        if allocator.free_bytes >= need:
+        limit = self.capacity_bytes  # the usage limit (the arena itself, unless lowered)
+        if allocator.used_bytes + need <= limit:
             offset = allocator.alloc(size)
             if offset is not None:
                 return offset
@@ -442,10 +503,10 @@ class Pool:
             obj = self._objects[victim]
             self._forget(obj)
             self._evictions += 1
-            if allocator.size_of(obj.offset) == need:
+            if allocator.size_of(obj.offset) == need and allocator.used_bytes <= limit:
                 return obj.offset
             allocator.free(obj.offset)
-            if allocator.free_bytes >= need:
+            if allocator.used_bytes + need <= limit:
                 offset = allocator.alloc(size)
                 if offset is not None:
                     return offset

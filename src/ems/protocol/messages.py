@@ -50,10 +50,18 @@ daemon's fresh nonce.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import operator
-from typing import Any, Callable, ClassVar, Optional
+import sys
+from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # (only type checkers read it)
+    def dataclass_transform(**_kwargs: Any) -> Callable[[Any], Any]:
+        return lambda f: f
 
 from ems.errors import EmsErrorCode, EmsException
 
@@ -68,6 +76,7 @@ __all__ = [
     "Count",
     "Error",
     "Exists",
+    "GrantStatus",
     "Granted",
     "Hello",
     "Lease",
@@ -91,6 +100,17 @@ __all__ = [
 ]
 
 _U64 = 1 << 64
+
+
+class GrantStatus(enum.IntEnum):
+    """A key's status in a ``Granted`` reply (the values of ``ems.pool.core``'s
+    ``GrantStatus``, which the daemon sends: a unit test pins them equal)."""
+
+    NEW = 0  #: space reserved: write the bytes, then commit the token
+    EXISTS = 1  #: already stored (write-once): nothing to copy, counts as stored
+    BUSY = 2  #: another writer holds a reservation: counts as stored
+    FULL = 3  #: no room even after evicting every evictable object
+    TOO_LARGE = 4  #: bigger than the whole pool
 
 
 def _bad(message: str) -> EmsException:
@@ -194,7 +214,7 @@ class Message:
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
 
     def to_wire(self) -> list[Any]:
-        return [self.TYPE, *self._fields_of(self)]
+        return [self.TYPE, *type(self)._fields_of(self)]
 
     @classmethod
     def check(cls, values: list[Any]) -> "Message":
@@ -226,10 +246,12 @@ def _short(v: Any) -> str:
 
 
 MESSAGES: dict[int, type[Message]] = {}
+_M = TypeVar("_M")
 
 
-def _message(code: int) -> Callable[[type], type]:
-    def register(cls: type) -> type:
+@dataclass_transform(frozen_default=True, field_specifiers=(_field,))
+def _message(code: int) -> Callable[[type[_M]], type[_M]]:
+    def register(cls: Any) -> Any:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = code
         fields = dataclasses.fields(cls)

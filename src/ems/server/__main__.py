@@ -49,6 +49,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spin-us", dest="spin_us", type=int,
                    help="busy-poll this long after a request before sleeping, in "
                         "microseconds (default 200; 0: never; env EMS_SERVER_SPIN_US)")
+    p.add_argument("--control", help="URL of ems-control: tenants, keys and quotas come "
+                                     "from there, live (env EMS_CONTROL)")
+    p.add_argument("--control-token-file", dest="control_token_file",
+                   help="file of the daemon token of ems-control (env EMS_CONTROL_TOKEN_FILE)")
+    p.add_argument("--control-poll-s", dest="control_poll_s", type=float,
+                   help="fetch the registry this often (default 1.0 s)")
+    p.add_argument("--control-cache", dest="control_cache",
+                   help="keep the last registry in this file (0600) for a restart while the "
+                        "control plane is down (default: memory only)")
+    p.add_argument("--host-name", dest="host_name",
+                   help="this daemon's name on the control plane (default hostname:socket_dir)")
+    p.add_argument("--metrics-addr", dest="metrics_addr",
+                   help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9464 "
+                        "(default off; env EMS_METRICS_ADDR)")
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",
                    help="a bound on what one client may hold or send (repeatable), e.g. "
                         "max_keys_per_request=4096; see ems.server.config.Limits")
@@ -60,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["stats"]:
-        from ems.server import stats_main
+        from ems.stats import main as stats_main  # a client tool, outside the daemon
         return stats_main(argv[1:])
     if argv[:1] == ["serve"]:
         argv = argv[1:]
@@ -80,28 +94,57 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = ServerConfig.load(vars(args), os.environ)
         tenants = load_tenants(config.tenants_file) if config.tenants_file else {}
-        specs = resolve_quotas(config, tenants)
+        if config.control:
+            from ems.server.control_sync import ControlSync, static_specs
+            specs = static_specs(config)
+        else:
+            specs = resolve_quotas(config, tenants)
     except EmsException as exc:
         print(f"ems-server: bad configuration: {exc.message()}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
     registry = TenantRegistry(specs, config.reservation_ttl_s)
     daemon = Daemon(config, registry)
+    extras: list = []  # the threads beside the loop (control sync, metrics), stopped after it
+    try:  # before the socket: a bad token file or a busy metrics port stops the start
+        sync = None
+        if config.control:
+            sync = ControlSync(config, daemon)
+        if config.metrics_addr:
+            from ems.server.metrics import MetricsExporter
+            extras.append(MetricsExporter(config.metrics_addr, daemon).start())
+    except (EmsException, ImportError) as exc:
+        for extra in extras:
+            extra.stop()
+        registry.close()
+        why = (exc.message() if isinstance(exc, EmsException) else
+               f"--control and --metrics-addr need {exc.name} (pip install 'ems[control]')")
+        print(f"ems-server: bad configuration: {why}", file=sys.stderr)
+        return 2
     try:
         daemon.start()
     except DaemonError as exc:
+        for extra in extras:
+            extra.stop()
         registry.close()
         logger.error("%s", exc)
         return 1
+    if sync is not None:  # after the wake socket exists: it hands plans to the loop
+        extras.append(sync.start())
     names = [s.name for s in specs]
-    mode = ("anonymous only" if names == [ANONYMOUS] else
+    mode = (f"from {config.control}{' + anonymous' if names else ''}" if config.control else
+            "anonymous only" if names == [ANONYMOUS] else
             f"{len(tenants)} tenant(s){' + anonymous' if config.anonymous else ''}")
     logger.info("ems-server listening on %s: capacity %d MiB, tenants: %s, quotas: %s, "
                 "reservation TTL %.1f s, busy-poll %d us, pid %d", config.socket_path,
                 config.capacity_bytes >> 20, mode,
                 ", ".join(f"{s.name}={s.quota_bytes >> 20} MiB" for s in specs),
                 config.reservation_ttl_s, config.spin_us, os.getpid())
-    daemon.serve_forever()
+    try:
+        daemon.serve_forever()
+    finally:
+        for extra in extras:
+            extra.stop()
     logger.info("ems-server stopped; removed %s", config.socket_path)
     return 0
 

@@ -15,8 +15,18 @@ reservation TTL        ``--reservation-ttl-s`` ``reservation_ttl_s``   ``EMS_RES
 socket permissions     ``--socket-mode``       ``socket_mode``         -
 log level              ``--log-level``         ``log_level``           ``EMS_LOG_LEVEL``
 busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SERVER_SPIN_US``
+control plane URL      ``--control``           ``control``             ``EMS_CONTROL``
+its daemon token file  ``--control-token-file`` ``control_token_file`` ``EMS_CONTROL_TOKEN_FILE``
+registry poll period   ``--control-poll-s``    ``control_poll_s``      -
+last registry on disk  ``--control-cache``     ``control_cache``       -
+host name reported     ``--host-name``         ``host_name``           ``EMS_HOST_NAME``
+Prometheus exporter    ``--metrics-addr``      ``metrics_addr``        ``EMS_METRICS_ADDR``
 limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
+
+With ``control`` set, tenants come from ``ems-control`` (``ems.server.control_sync``,
+docs/control.md) and the tenants file must not be given; ``metrics_addr``
+(``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
 for ``spin_us`` microseconds (default 200; 0: sleep at once), yielding the CPU to any
@@ -53,13 +63,15 @@ from typing import Any, Mapping, Optional
 from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
 from ems.errors import EmsException, invalid
 
-__all__ = ["ANONYMOUS", "Limits", "SDK_MAX_KEY_BYTES", "ServerConfig", "TenantSpec", "configure_logging", "load_tenants",
-           "read_toml", "resolve_quotas"]
+__all__ = ["ANONYMOUS", "SDK_MAX_KEY_BYTES", "Limits", "ServerConfig", "TenantSpec",
+           "configure_logging", "load_tenants", "read_toml", "resolve_quotas"]
 
 ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
-              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us", "limits"}
+              "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
+              "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
+              "metrics_addr", "limits"}
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -184,6 +196,19 @@ class ServerConfig:
     log_level: str = "INFO"
     #: busy-poll this long after a request before sleeping (0: never)
     spin_us: int = 200
+    #: URL of ems-control (tenants, keys, quotas from there); None: the tenants file
+    control: Optional[str] = None
+    #: file holding the daemon token of ems-control (mode 0600)
+    control_token_file: Optional[str] = None
+    #: fetch the registry (and report) this often, seconds
+    control_poll_s: float = 1.0
+    #: file (0600) keeping the last registry (keys sealed by the daemon token) for a
+    #: restart while the control plane is down; None: memory only
+    control_cache: Optional[str] = None
+    #: this daemon's name on the control plane (default: hostname:socket_dir)
+    host_name: Optional[str] = None
+    #: ``HOST:PORT`` of the Prometheus exporter; None: off
+    metrics_addr: Optional[str] = None
     #: bounds on what one client may hold or send (see :class:`Limits`)
     limits: Limits = dataclasses.field(default_factory=Limits)
 
@@ -206,6 +231,25 @@ class ServerConfig:
             raise invalid(f"spin_us must be an int in 0..1000000, got {self.spin_us!r}")
         for ident in self.quotas_bytes:
             _check_id(ident, "quotas")
+        if self.control is not None:
+            if not self.control.startswith(("http://", "https://")):
+                raise invalid(f"control must be an http:// or https:// URL, got "
+                              f"{self.control!r}")
+            if self.control_token_file is None:
+                raise invalid("control needs control_token_file (the daemon token of "
+                              "ems-control)")
+            if self.tenants_file is not None:
+                raise invalid("control and tenants_file exclude each other: with a "
+                              "control plane, tenants come from it")
+        if isinstance(self.control_poll_s, bool) or not isinstance(
+                self.control_poll_s, (int, float)) or not 0.05 <= self.control_poll_s <= 60:
+            raise invalid(f"control_poll_s must be a number in 0.05..60, got "
+                          f"{self.control_poll_s!r}")
+        if self.metrics_addr is not None:
+            host, sep, port = self.metrics_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise invalid(f"metrics_addr must be HOST:PORT like 127.0.0.1:9464, got "
+                              f"{self.metrics_addr!r}")
 
     @property
     def socket_path(self) -> str:
@@ -222,7 +266,10 @@ class ServerConfig:
         for var, key in (("EMS_SOCKET_DIR", "socket_dir"), ("EMS_SERVER_CAPACITY", "capacity"),
                          ("EMS_TENANTS_FILE", "tenants_file"), ("EMS_ANONYMOUS", "anonymous"),
                          ("EMS_RESERVATION_TTL_S", "reservation_ttl_s"),
-                         ("EMS_LOG_LEVEL", "log_level"), ("EMS_SERVER_SPIN_US", "spin_us")):
+                         ("EMS_LOG_LEVEL", "log_level"), ("EMS_SERVER_SPIN_US", "spin_us"),
+                         ("EMS_CONTROL", "control"),
+                         ("EMS_CONTROL_TOKEN_FILE", "control_token_file"),
+                         ("EMS_HOST_NAME", "host_name"), ("EMS_METRICS_ADDR", "metrics_addr")):
             if env.get(var):
                 values[key] = _from_env(var, key, env[var])
         quotas = dict(values.pop("quotas", {}))
@@ -269,6 +316,12 @@ class ServerConfig:
             kw["log_level"] = _str(v["log_level"], "log_level").upper()
         if "spin_us" in v:
             kw["spin_us"] = v["spin_us"]
+        for key in ("control", "control_token_file", "control_cache", "host_name",
+                    "metrics_addr"):
+            if key in v:
+                kw[key] = _str(v[key], key)
+        if "control_poll_s" in v:
+            kw["control_poll_s"] = v["control_poll_s"]
         if "limits" in v:
             kw["limits"] = v["limits"]
         kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}
@@ -408,8 +461,8 @@ def resolve_quotas(config: ServerConfig, tenants: Mapping[str, str]) -> list[Ten
     unknown = sorted(set(config.quotas_bytes) - set(tenants))
     if unknown:
         raise invalid(f"quotas name access_id(s) not in the tenants file: {', '.join(unknown)}")
-    explicit: dict[Optional[str], int] = dict(config.quotas_bytes)
-    members: list[Optional[str]] = sorted(tenants)
+    explicit: dict[Optional[str], int] = {k: v for k, v in config.quotas_bytes.items()}
+    members: list[Optional[str]] = [t for t in sorted(tenants)]
     if config.anonymous:
         members.append(None)
         if config.anonymous_quota_bytes is not None:

@@ -58,7 +58,7 @@ import socket
 import stat
 import struct
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import Pool
@@ -116,6 +116,7 @@ class _Conn:
     tenant: Optional[Tenant] = None
     admin: bool = False
     access_id: Optional[str] = None
+    key_id: Optional[str] = None  # which of the tenant's keys opened this session
     nonce: bytes = b""
     decoder: FrameDecoder = dataclasses.field(
         default_factory=lambda: FrameDecoder(HANDSHAKE_FRAME_BYTES))
@@ -148,6 +149,9 @@ class Daemon:
         self._stopping = False
         self._started = time.monotonic()
         self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
+        #: called on the loop: after a :meth:`wake` / at each tick (control sync, metrics)
+        self.wake_hooks: list[Callable[[], None]] = []
+        self.tick_hooks: list[Callable[[], None]] = []
         self.limits: Limits = config.limits
         #: refusals by limit name (``ems stats``: server.refused)
         self.refused: collections.Counter = collections.Counter()
@@ -188,6 +192,7 @@ class Daemon:
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
+        assert self._listener is not None
         self._watch(self._listener, "listen")
         self._watch(self._wake_r, "wake")
         self._started = time.monotonic()
@@ -230,6 +235,37 @@ class Daemon:
                 self._wake_w.send(b"\0")
             except OSError:
                 pass
+
+    def wake(self) -> None:
+        """Make the loop run its ``wake_hooks`` soon (any thread)."""
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"\1")
+            except OSError:  # full (a wake is pending anyway) or closed
+                pass
+
+    def close_sessions(self, match: Callable[[Tenant, Optional[str]], bool],
+                       why: str) -> int:
+        """Close the tenant sessions for which ``match(tenant, key_id)`` holds (on the
+        loop: a revoked key, a deleted tenant); how many."""
+        doomed = [c for c in self._conns.values()
+                  if c.tenant is not None and match(c.tenant, c.key_id)]
+        for conn in doomed:
+            self._fail(conn, EmsException(EmsErrorCode.EMS_AUTH_FAILED, why))
+        return len(doomed)
+
+    def enable_request_timing(self, observe: Callable[[type, float], None]) -> None:
+        """Time each request: ``observe(message class, seconds)`` after it (metrics);
+        off unless called, so the loop pays nothing for it by default."""
+        serve = Daemon._request
+
+        def timed(conn: _Conn, cls: type, v: list[Any]) -> None:
+            t0 = time.perf_counter()
+            try:
+                serve(self, conn, cls, v)
+            finally:
+                observe(cls, time.perf_counter() - t0)
+        self._request = timed  # type: ignore[method-assign]
 
     def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT or :meth:`request_stop`, then clean up."""
@@ -319,8 +355,18 @@ class Daemon:
                 self._wake_r.recv(4096)  # type: ignore[union-attr]
             except OSError:
                 pass
+            for hook in self.wake_hooks:
+                self._run_hook(hook)
+
+    def _run_hook(self, hook: Callable[[], None]) -> None:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a hook's bug must not stop the daemon
+            logger.exception("ems-server: hook %r failed", hook)
 
     def _tick(self) -> None:
+        for hook in self.tick_hooks:
+            self._run_hook(hook)
         freed = self.registry.expire()
         if freed:
             logger.info("ems-server: freed %d reservation(s) older than %.1f s (writer gone "
@@ -568,12 +614,13 @@ class Daemon:
 
     def _auth(self, conn: _Conn, auth: m.Auth) -> None:
         assert conn.access_id is not None
-        tenant = self.registry.verify(conn.access_id, conn.nonce, auth.mac)
-        if tenant is None:
+        found = self.registry.authenticate(conn.access_id, conn.nonce, auth.mac)
+        if found is None:
             self._refuse(conn, f"access_id {conn.access_id!r} with this access_key is "
                                f"refused by ems-server")
             return
-        self._welcome(conn, tenant)
+        conn.key_id = found[1]
+        self._welcome(conn, found[0])
 
     def _welcome(self, conn: _Conn, tenant: Optional[Tenant]) -> None:
         if tenant is not None and tenant.connections >= self.limits.max_connections_per_tenant:
@@ -724,7 +771,7 @@ class Daemon:
             tenants = list(self.registry)
         else:
             tenants = [conn.tenant] if conn.tenant is not None else []
-        from ems import __version__
+        from ems._version import __version__
         out: dict[str, Any] = {
             "server": {
                 "pid": os.getpid(),
@@ -750,6 +797,8 @@ class Daemon:
             row = dataclasses.asdict(st)
             row["hit_rate"] = st.hit_rate
             row["connections"] = t.connections
+            row["quota_bytes"] = t.quota_bytes
+            row["source"] = t.source
             out["tenants"][t.name] = row
         return out
 

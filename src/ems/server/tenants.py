@@ -60,6 +60,14 @@ class Tenant:
             os.close(self.fd)
             raise
         self.connections = 0
+        #: key_id -> access_key: every key that opens this namespace (the tenants file
+        #: gives one; the control plane any number, each revocable on its own)
+        self.keys: dict[str, str] = {"file": spec.access_key} if spec.access_key else {}
+        #: "config" (tenants file, anonymous) or "control" (ems-control, may change)
+        self.source = "config"
+        #: the quota in force; may differ from ``pool.capacity_bytes`` only when it is
+        #: above the segment (sealed at its size), see ems.server.control_sync
+        self.quota_bytes = spec.quota_bytes
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -90,17 +98,40 @@ class TenantRegistry:
         return sorted(k for k in self._by_id if k is not None)
 
     def verify(self, access_id: str, nonce: bytes, mac: bytes) -> Optional[Tenant]:
-        """The tenant whose key produced ``mac`` over ``nonce``; None otherwise.
+        """The tenant whose key produced ``mac`` over ``nonce``; None otherwise."""
+        found = self.authenticate(access_id, nonce, mac)
+        return None if found is None else found[0]
 
-        An unknown access_id is checked against a random key, so the answer (and its
-        timing) does not tell which ids exist.
+    def authenticate(self, access_id: str, nonce: bytes, mac: bytes
+                     ) -> Optional[tuple[Tenant, str]]:
+        """(tenant, key_id) of the key that produced ``mac`` over ``nonce``; None
+        otherwise.
+
+        An unknown access_id (or a tenant without keys) is checked against a random
+        key, so the answer (and its timing) does not tell which ids exist.
         """
         tenant = self._by_id.get(access_id)
-        key = tenant.spec.access_key if tenant is not None else None
-        expected = auth_mac(key or secrets.token_urlsafe(32), nonce, access_id)
-        if hmac.compare_digest(expected, mac) and tenant is not None:
-            return tenant
-        return None
+        keys = tenant.keys if tenant is not None and tenant.keys else {
+            "": secrets.token_urlsafe(32)}
+        found = None
+        for kid, key in keys.items():  # every key, also after a match
+            if hmac.compare_digest(auth_mac(key, nonce, access_id), mac) and kid:
+                found = kid
+        if found is None or tenant is None:
+            return None
+        return tenant, found
+
+    def get(self, access_id: Optional[str]) -> Optional[Tenant]:
+        return self._by_id.get(access_id)
+
+    def add(self, tenant: Tenant) -> None:
+        """A namespace that the control plane created (``tenant.spec.access_id`` new)."""
+        assert tenant.spec.access_id not in self._by_id
+        self._by_id[tenant.spec.access_id] = tenant
+
+    def remove(self, access_id: str) -> Optional[Tenant]:
+        """Take a namespace out (its connections must be closed; the caller closes it)."""
+        return self._by_id.pop(access_id, None)
 
     def expire(self) -> int:
         """Free reservations older than the TTL in every pool; how many were freed."""

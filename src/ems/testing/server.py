@@ -23,7 +23,8 @@ class ServerProcess:
     socket (a short directory under the system temp dir when ``directory`` is deep)."""
 
     def __init__(self, directory: str, socket_dir: str, args: Sequence[str],
-                 env: Optional[Mapping[str, str]] = None) -> None:
+                 env: Optional[Mapping[str, str]] = None,
+                 nofile: Optional[int] = None) -> None:
         from ems.client.singleton import SOCKET_NAME
         self.directory = directory
         self.socket_dir = socket_dir
@@ -32,11 +33,13 @@ class ServerProcess:
         self.args = list(args)
         self.env = dict(os.environ if env is None else env)
         # The daemon imports this very ems (also from a source tree that is not installed).
-        src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("ems").__file__)))
+        src = os.path.dirname(os.path.dirname(os.path.abspath(str(__import__("ems").__file__))))
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (src, self.env.get("PYTHONPATH", "")) if p)
         self.proc: Optional[subprocess.Popen] = None
         self._log: Any = None
+        #: RLIMIT_NOFILE of the daemon (tests of fd pressure); None: inherited
+        self.nofile = nofile
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 15.0) -> "ServerProcess":
@@ -44,10 +47,16 @@ class ServerProcess:
         if self.running:
             raise RuntimeError("ems-server is already running")
         self._log = open(self.log_path, "ab")
+        nofile = self.nofile or 0
+
+        def limit() -> None:  # in the child, before exec
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ems.server", "--socket-dir", self.socket_dir, *self.args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env=self.env, start_new_session=True)
+            env=self.env, start_new_session=True,
+            preexec_fn=limit if self.nofile is not None else None)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -159,13 +168,14 @@ def run_server(directory: Optional[str] = None, *, capacity: str = "64M",
                quotas: Optional[Mapping[str, str]] = None,
                reservation_ttl_s: Optional[float] = None, log_level: Optional[str] = None,
                extra_args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
-               start: bool = True, start_timeout_s: float = 15.0
-               ) -> Iterator[ServerProcess]:
+               start: bool = True, start_timeout_s: float = 15.0,
+               nofile: Optional[int] = None) -> Iterator[ServerProcess]:
     """Run an ``ems-server`` for the duration of the block; always stop it.
 
     ``directory`` (default: a new temp dir, removed afterwards) receives the log and
     the tenants file; ``tenants`` maps access_id to access_key; ``quotas`` access_id
-    to a size. ``start=False`` hands back a configured, unstarted server.
+    to a size. ``start=False`` hands back a configured, unstarted server. ``nofile``
+    sets the daemon's RLIMIT_NOFILE (tests of fd pressure).
     """
     cleanup: list[str] = []
     if directory is None:
@@ -187,7 +197,7 @@ def run_server(directory: Optional[str] = None, *, capacity: str = "64M",
     if reservation_ttl_s is not None:
         args += ["--reservation-ttl-s", str(reservation_ttl_s)]
     args += list(extra_args)
-    server = ServerProcess(directory, socket_dir, args, env)
+    server = ServerProcess(directory, socket_dir, args, env, nofile)
     try:
         if start:
             server.start(start_timeout_s)

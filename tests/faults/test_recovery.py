@@ -4,7 +4,6 @@ caller's buffer after its call returned or raised, and the client recovers alone
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
@@ -12,13 +11,14 @@ import time
 
 import pytest
 from client_worker import Value, pattern
+from hostile import RawClient
 from itest_support import anonymous_stats, anonymous_stats_when, wait_for
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client import copy as _copy
-from ems.client.remote import RemoteTransport
-from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
+from ems.protocol import encode
+from ems.protocol import messages as m
 
 pytestmark = pytest.mark.integration
 
@@ -63,23 +63,25 @@ def test_eviction_never_takes_pinned_objects(make_server, client_env):
     old = [f"old{i}" for i in range(8)]
     assert save_keys(cc, old, size).success == 8  # the pool is full
 
-    reader = RemoteTransport.connect(server.socket_path, None, None, 3.0)
+    reader = RawClient(server.socket_path, map_pool=True)
     try:
         # A reader of another process pins old0..old3 (as a load does while copying).
-        pins = reader.acquire(storage(old[:4]), [size] * 4, Task(0, "pin"))
-        assert len(pins) == 4
+        pins = reader.request([m.Acquire.TYPE, 1, storage(old[:4]), [size] * 4])
+        assert isinstance(pins, m.Pinned) and len(pins.tokens) == 4
         new = [f"new{i}" for i in range(8)]
         res = save_keys(cc, new, size)
         assert res.success == 4  # room only where unpinned objects were evicted
         stats = anonymous_stats(server)
         assert stats["evictions"] == 4 and stats["pinned"] == 4
-        for key, pin in zip(old[:4], pins):  # the pinned bytes were not reused
-            assert ctypes.string_at(pin.segment.address + pin.offset, size) == pattern(key, size)
-        reader.release([p.token for p in pins])
+        assert reader.pool is not None
+        for key, offset in zip(old[:4], pins.offsets):  # the pinned bytes were not reused
+            assert reader.pool[offset:offset + size] == pattern(key, size)
+        reader.send(encode(m.Release(pins.tokens)))
         wait_for(lambda: anonymous_stats(server)["pinned"] == 0, 5.0, "pins released")
         assert save_keys(cc, new, size).success == 8  # now the old ones can go
-        assert reader.exists(storage(old[:4]), None) == 0
-        assert reader.exists(storage(new), [size] * 8) == 8
+        transport = cc._transport
+        assert transport.exists(storage(old[:4]), None) == 0
+        assert transport.exists(storage(new), [size] * 8) == 8
     finally:
         reader.close()
 

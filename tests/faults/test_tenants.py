@@ -8,11 +8,10 @@ import warnings
 
 import pytest
 from client_worker import Value, pattern
-from itest_support import KEY_A, KEY_B
+from itest_support import KEY_A, KEY_B, transport_load, transport_save
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client.remote import RemoteTransport
-from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
 
 pytestmark = pytest.mark.integration
@@ -31,11 +30,8 @@ def connect(server, access_id=None, access_key=None) -> RemoteTransport:
 
 
 def save(t: RemoteTransport, keys, size=SIZE) -> int:
-    """Save through the transport as ContextCaching does: reserve, copy, commit."""
-    slots = t.reserve(keys, [size] * len(keys), Task(5000, "save"))
-    for key, slot in zip(keys, slots):
-        ctypes.memmove(slot.segment.address + slot.offset, pattern(key, size), size)
-    return sum(t.commit([s.token for s in slots], Task(5000, "commit")))
+    """Save through the transport's verb, as ContextCaching does."""
+    return transport_save(t, keys, size)
 
 
 def test_tenants_cannot_see_or_map_each_other(tenant_server):
@@ -48,7 +44,7 @@ def test_tenants_cannot_see_or_map_each_other(tenant_server):
         assert a.exists(keys, None) == 4
         for other in (b, anon):  # same key names, other namespace
             assert other.exists(keys, None) == 0
-            assert other.acquire(keys, [SIZE] * 4, Task(5000, "load")) == []
+            assert transport_load(other, keys, SIZE) == (0, [])
         # Different memory: B's and the anonymous mapping never hold A's bytes.
         seg_a = a._session.segment
         for other in (b, anon):

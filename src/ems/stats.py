@@ -1,4 +1,6 @@
-"""``ems-server stats``: the daemon's counters as a table, or as JSON (``--json``).
+"""``ems stats`` / ``ems-server stats``: the daemon's counters as a table, or as JSON
+(``--json``). A client of the daemon (outside ``ems.server``, which never imports the
+client).
 
 It opens an admin session, which the daemon grants without credentials to its own
 user and to root (it checks the peer's uid) and which sees every tenant. Tenants read
@@ -46,6 +48,12 @@ def format_report(report: dict[str, Any]) -> str:
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  ".join(cells))
+    refused = srv.get("refused") or {}
+    if refused:
+        lines.append("refused by limits: " + ", ".join(
+            f"{name} {count}" for name, count in sorted(refused.items())))
+    if srv.get("accepting") is False:
+        lines.append("not accepting connections now (out of file descriptors; backing off)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,96 @@
+"""``ems-control`` / ``python -m ems.control``: run the control plane.
+
+Exit status: 0 after a clean stop (SIGTERM/SIGINT), 1 when it cannot listen,
+2 for a bad configuration (a message names the setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+logger = logging.getLogger("ems.control")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ems-control",
+        description="The ems control plane: tenants, access keys and quotas of every "
+                    "ems-server over REST (OpenAPI at /docs), and a status page at /.",
+        epilog="Settings: defaults < environment < flags; see "
+               "`python -c 'import ems.control.config as c; help(c)'`.")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="directory of the database, key and token files "
+                        "(default ~/.local/state/ems-control)")
+    p.add_argument("--db", dest="db_path", help="SQLite database (default STATE_DIR/control.db)")
+    p.add_argument("--master-key-file", dest="master_key_file",
+                   help="the key sealing access keys at rest (created 0600 when missing)")
+    p.add_argument("--admin-token-file", dest="admin_token_file",
+                   help="bearer token of the admin API (created 0600 when missing)")
+    p.add_argument("--daemon-token-file", dest="daemon_token_file",
+                   help="bearer token of the daemons (created 0600 when missing)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", help="port (default 8470; 0: any free one, see --port-file)")
+    p.add_argument("--port-file", dest="port_file",
+                   help="write the port listened on to this file")
+    p.add_argument("--default-quota", dest="default_quota_bytes",
+                   help="pool size of tenants created without one (default 256M)")
+    p.add_argument("--max-quota", dest="max_quota_bytes",
+                   help="the largest quota accepted (default 1T)")
+    p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from ems.errors import EmsException
+
+    try:
+        from ems.control.config import ControlConfig
+        config = ControlConfig.load(vars(args), os.environ)
+        import uvicorn
+
+        from ems.control.app import Service, create_app
+        logging.basicConfig(level=getattr(logging, config.log_level),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        service = Service(config)
+    except ImportError as exc:
+        print(f"ems-control: {exc.name} is missing; install the control extra "
+              f"(pip install 'ems[control]')", file=sys.stderr)
+        return 2
+    except EmsException as exc:
+        print(f"ems-control: bad configuration: {exc.message()}", file=sys.stderr)
+        return 2
+    try:
+        sock = socket.create_server((config.host, config.port), reuse_port=False)
+    except OSError as exc:
+        logger.error("ems-control: cannot listen on %s:%d: %s", config.host, config.port,
+                     exc.strerror)
+        return 1
+    port = sock.getsockname()[1]
+    if config.port_file:
+        tmp = config.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, config.port_file)
+    logger.info("ems-control listening on http://%s:%d (database %s, pid %d)",
+                config.host, port, config.file("control.db"), os.getpid())
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning",
+                                           access_log=False, lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        service.db.close()
+    logger.info("ems-control stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

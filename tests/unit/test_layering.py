@@ -1,0 +1,88 @@
+"""The layering of ``src/ems``, asserted from the imports (a wrong arrow fails CI
+instead of waiting for a reviewer):
+
+* ``protocol`` imports nothing of ours but ``errors``;
+* ``pool`` imports nothing of ours;
+* ``client`` never imports ``server``, ``server`` never imports ``client``;
+* no core module imports the top-level ``ems`` package (its public names): ``bench``,
+  ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
+  users and may;
+* the daemon does not load the SDK (``import ems.server.daemon`` leaves
+  ``ems.client`` unimported, and ``import ems`` is lazy).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "ems"
+CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server")
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        yield ".".join(["ems", *parts]), path
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in ``path``, also inside functions."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+    return out
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _violations() -> list[str]:
+    bad = []
+    for module, path in _modules():
+        area = _area(module)
+        for target, names in _imports(path):
+            if target != "ems" and not target.startswith("ems."):
+                continue
+            to = _area(target)
+            if area == "protocol" and to not in ("protocol", "errors"):
+                bad.append(f"{module} imports {target}: protocol may import only errors")
+            if area == "pool" and to != "pool":
+                bad.append(f"{module} imports {target}: pool imports nothing of ours")
+            if area == "client" and to == "server":
+                bad.append(f"{module} imports {target}: the client never imports the daemon")
+            if area == "server" and to == "client":
+                bad.append(f"{module} imports {target}: the daemon never imports the client")
+            if area in CORE and target == "ems":
+                public = [n for n in names if not n.startswith("_")]
+                if public or not names:
+                    bad.append(f"{module} imports the top-level ems package ({public})")
+    return bad
+
+
+def test_the_layering_holds():
+    assert _violations() == []
+
+
+@pytest.mark.parametrize("code, forbidden", [
+    ("import ems.server.daemon", "ems.client"),
+    ("import ems", "ems.client"),
+    ("import ems.protocol", "ems.pool"),
+])
+def test_lazy_imports(code, forbidden):
+    probe = (f"import sys; {code}; "
+             f"print(any(m == {forbidden!r} or m.startswith({forbidden!r} + '.') "
+             f"for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr
