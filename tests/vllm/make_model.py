@@ -34,15 +34,15 @@ def main() -> None:
         print(path)
 
 
-def build(torch, LlamaConfig, LlamaForCausalLM, args, out: str, seed: int) -> None:
+def build(torch, config_cls, model_cls, args, out: str, seed: int) -> None:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+    cfg = config_cls(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate or 2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads,
                       max_position_embeddings=args.max_pos, torch_dtype="float32",
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:

@@ -95,12 +95,12 @@ class ConnectorSettings:
             return value
         if "float" in kind:
             try:
-                value = float(raw)
+                number = float(raw)
             except (TypeError, ValueError):
                 raise invalid(f"{where} must be a number, got {raw!r}") from None
-            if value < 0 or (name == "health_interval_s" and value <= 0):
+            if number < 0 or (name == "health_interval_s" and number <= 0):
                 raise invalid(f"{where} must be > 0, got {raw!r}")
-            return value
+            return number
         if not isinstance(raw, str):
             raise invalid(f"{where} must be a string, got {type(raw).__name__}")
         if name == "pool" and raw.strip().lower() not in ("embedded", "server", "auto"):

@@ -54,6 +54,7 @@ returns within its deadline and the engine serves without the cache meanwhile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -134,7 +135,7 @@ class EmsConnectorStats(KVConnectorStats):
     """vLLM's connector stats hook: the counters of one interval, summed over ranks."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "EmsConnectorStats":
         for k, v in (other.data or {}).items():
@@ -156,8 +157,8 @@ class _Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._total = dict.fromkeys(_COUNTERS, 0)
-        self._interval = dict.fromkeys(_COUNTERS, 0)
+        self._total: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)  # ints and seconds
+        self._interval: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
 
     def add(self, **kv: float) -> None:
         with self._lock:
@@ -256,7 +257,7 @@ class EmsConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         from vllm.platforms import current_platform
         self._on_cpu = current_platform.is_cpu()
-        self._spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+        self._spec: Any = groups[0].kv_cache_spec if len(groups) == 1 else None
         if self._spec is None:
             self._disabled = f"{len(groups)} KV cache groups (hybrid models: not supported)"
         self._num_layers = len(groups[0].layer_names) if len(groups) == 1 else 0
@@ -285,9 +286,10 @@ class EmsConnector(KVConnectorBase_V1):
             logger.warning("ems: EmsConnector disabled: %s", self._disabled)
         elif role == KVConnectorRole.SCHEDULER:
             self._register_mirror()
+        v1 = config.cc_config_v1
+        assert v1 is not None
         logger.info("ems: EmsConnector (%s) for %s, block_size %d, keys of %s",
-                    role.name.lower(), config.cc_config_v1.model_id, self.block_size,
-                    config.cc_config_v1.llm_engine)
+                    role.name.lower(), v1.model_id, self.block_size, v1.llm_engine)
 
     # ------------------------------------------------------------ setup
     def _ems_config(self, vllm_config: "VllmConfig", role: KVConnectorRole) -> EmsConfig:
@@ -507,7 +509,7 @@ class EmsConnector(KVConnectorBase_V1):
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue
             start, n = time.perf_counter(), len(t.hashes)
-            fut.add_done_callback(lambda f, s=start, n=n: self._saved(f, s, n))
+            fut.add_done_callback(functools.partial(self._saved, start=start, n=n))
             futs.append(fut)
 
     def _saved(self, fut: Future, start: float, n: int) -> None:
@@ -575,13 +577,13 @@ class EmsConnector(KVConnectorBase_V1):
 def _timed(hook: Any) -> Any:
     """Count the time the engine spends in ``hook`` (``hooks_s``: the connector's share of
     the engine's critical path; the saves themselves run beside it)."""
+    @functools.wraps(hook)
     def timed(self: EmsConnector, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return hook(self, *args, **kwargs)
         finally:
             self._counters.add(hooks_s=time.perf_counter() - t0)
-    timed.__name__, timed.__doc__, timed.__wrapped__ = hook.__name__, hook.__doc__, hook
     return timed
 
 
