@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -71,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
+from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
 from ems.integrations.session import PoolSession
 from ems.integrations.settings import ConnectorSettings
 
@@ -176,52 +176,6 @@ class _Counters:
             return ConnectorStatistics(**self._total)
 
 
-# ---------------------------------------------------------------- helpers
-def _key64(block_hash: Any) -> int:
-    """The engine's block hash (bytes, or an int) as a signed 64-bit int."""
-    if isinstance(block_hash, int):
-        h = block_hash & ((1 << 64) - 1)
-        return h - (1 << 64) if h >= 1 << 63 else h
-    digest = hashlib.blake2b(bytes(block_hash), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def _mirror_shapes(spec: Any, block_size: int, on_cpu: bool
-                   ) -> tuple[list[tuple[int, ...]], Optional[int], bool]:
-    """Per-layer per-block tensor shapes the worker registers (without dim 0), the
-    opaque page size (or None for paged tensors), and whether it is MLA."""
-    is_mla = type(spec).__name__.startswith("MLA")
-    if is_mla:
-        return [(block_size, spec.head_size)], None, True
-    if on_cpu:
-        return [(spec.num_kv_heads, 2 * block_size, spec.head_size)], block_size, False
-    return [(block_size, spec.num_kv_heads, spec.head_size)] * 2, None, False
-
-
-def _canonical(kv: torch.Tensor, block_size: int, spec: Any, on_cpu: bool
-               ) -> tuple[list[torch.Tensor], Optional[int]]:
-    """vLLM's cache tensor of one layer as the tensors ems registers (see module doc)."""
-    shape = tuple(kv.shape)
-    heads, head = getattr(spec, "num_kv_heads", 0), getattr(spec, "head_size", 0)
-    if (on_cpu and kv.dim() == 4 and shape[1] == heads and kv[0].is_contiguous()
-            and kv[0].numel() == heads * 2 * block_size * head):
-        # CPU: [num_blocks, kv_heads, block_size, 2*head] (0.32) or the same storage as
-        # [num_blocks, kv_heads, 2*block_size, head]: always registered as the latter.
-        return [kv.view(shape[0], heads, 2 * block_size, head)], block_size
-    if kv.dim() == 5 and shape[0] == 2 and shape[2] == block_size:
-        return [kv[0], kv[1]], None  # [2, num_blocks, block_size, heads, head]
-    if kv.dim() == 5 and shape[1] == 2 and shape[2] == block_size:
-        return [kv[:, 0], kv[:, 1]], None  # [num_blocks, 2, block_size, heads, head]
-    if kv.dim() == 3 and shape[1] == block_size:
-        return [kv], None  # MLA: [num_blocks, block_size, dim]
-    raise ValueError(f"unsupported KV cache layout {shape} (block_size {block_size})")
-
-
-def _slots(block_ids: list[int], block_size: int) -> torch.Tensor:
-    ids = torch.tensor(block_ids, dtype=torch.int64)
-    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)
-
-
 # ---------------------------------------------------------------- scheduler state
 @dataclasses.dataclass
 class _Plan:
@@ -319,7 +273,7 @@ class EmsConnector(KVConnectorBase_V1):
                          access_key=self.settings.access_key, cc_config_v1=v1)
 
     def _register_mirror(self) -> None:
-        shapes, page, _ = _mirror_shapes(self._spec, self.block_size, self._on_cpu)
+        shapes, page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
         layer = [torch.empty((1, *s), dtype=self._spec.dtype, device="meta") for s in shapes]
         self._session.register([list(layer) for _ in range(self._num_layers)], page,
                                real=False)
@@ -330,12 +284,12 @@ class EmsConnector(KVConnectorBase_V1):
         layers, page = [], None
         try:
             for kv in kv_caches.values():
-                tensors, page = _canonical(kv, self.block_size, self._spec, self._on_cpu)
+                tensors, page = canonical_layer(kv, self.block_size, self._spec, self._on_cpu)
                 layers.append(tensors)
         except ValueError as exc:
             self._disable(str(exc))
             return
-        want, want_page, _ = _mirror_shapes(self._spec, self.block_size, self._on_cpu)
+        want, want_page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
         got = [tuple(t.shape[1:]) for t in layers[0]]
         if (got != want or page != want_page or len(layers) != self._num_layers
                 or layers[0][0].dtype != self._spec.dtype):
@@ -363,7 +317,7 @@ class EmsConnector(KVConnectorBase_V1):
             bh = plan.request.block_hashes
             s = self._hash_stride
             for i in range(have, min(n_blocks, len(bh) // s)):
-                plan.hashes.append(_key64(bh[(i + 1) * s - 1]))
+                plan.hashes.append(key64(bh[(i + 1) * s - 1]))
         return plan.hashes[:n_blocks]
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -475,7 +429,7 @@ class EmsConnector(KVConnectorBase_V1):
             return
         bs = self.block_size
         t0 = time.perf_counter()
-        got = self._session.load([(_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+        got = self._session.load([(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
                                   for t in meta.loads])
         loaded = failed = 0
         for t, n in zip(meta.loads, got):
@@ -504,7 +458,7 @@ class EmsConnector(KVConnectorBase_V1):
             futs = self._saves.setdefault(t.req_id, [])
             if self._skip_saves or self._disabled:
                 continue
-            fut = self._session.save(_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+            fut = self._session.save(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue
