@@ -84,6 +84,7 @@ def run_engine(spec: dict) -> dict:
               enable_prefix_caching=True, seed=0,
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               skip_tokenizer_init=True, max_num_batched_tokens=spec.get("max_batched", 2048),
+              tensor_parallel_size=spec.get("tp", 1),
               **kwargs)
     result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2), "steps": []}
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),

@@ -12,6 +12,9 @@ group) on failure:
   chunked prefill of 128 tokens a step: it stores the long shared prefix;
 * run B (vLLM's default mode: scheduler and worker in other processes, a fresh
   engine): a partial-prefix prompt first, then the full prompts, loaded from the pool;
+* run T (default mode, tensor parallel 2, a worker process per rank): a TP=2 engine
+  stores the prefix (the TP=1 blocks do not serve it: other keys), a fresh TP=2 engine
+  loads it; each rank saved its own 11 blocks;
 * run C (one process): model B without the connector, model B WITH the connector
   under model A's keys (the negative control: the loaded KV is used, so the outputs
   change); a fresh model-A engine whose loads fail (the pool hangs between the lookup
@@ -160,6 +163,19 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "steps": [{"name": "partial", "prompts": p["partial"]},
                        {"name": "shared", "prompts": p["shared"]}]},
         ], env)
+        # run T: tensor parallel 2 (default mode, a worker process per rank, one core
+        # each): a TP=2 engine stores, a fresh TP=2 engine loads; every rank its keys
+        if len(os.sched_getaffinity(0)) >= 2:
+            cpus = sorted(os.sched_getaffinity(0))[:2]
+            tp_env = dict(env, VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+            before = _objects(server)
+            results["tp2"] = engines("T", [
+                {"name": "store-tp2", "model": model_a, "connector": True, "tp": 2,
+                 "extra": extra, "steps": [{"name": "shared", "prompts": p["shared"]}]},
+                {"name": "load-tp2", "model": model_a, "connector": True, "tp": 2,
+                 "extra": extra, "steps": [{"name": "shared", "prompts": p["shared"]}]},
+            ], tp_env)
+            results["tp2_objects"] = _objects(server) - before
         # run C: negative control, then loads, the pool killed and restarted
         killed = os.path.join(tmp, "killed")
         restarted = os.path.join(tmp, "restarted")
@@ -260,6 +276,19 @@ def test_fresh_engine_in_another_process_loads_the_whole_prefix(runs):
     # the partial prompt put its 4 blocks in the local cache; the rest came from ems
     assert step["cached"] == [_full_blocks(q) for q in p]
     assert step["tokens"] == runs["reference"]["shared"]
+
+
+def test_tensor_parallel_ranks_keep_their_own_keys(runs):
+    if "tp2" not in runs:
+        pytest.skip("tensor parallel 2 needs 2 CPUs to bind its two workers")
+    store, load = runs["tp2"]
+    p = runs["prompts"]["shared"]
+    # the TP=1 blocks of the same prompts do not serve TP=2 (other keys): the first
+    # prompt is computed from scratch
+    assert _step(store, "shared")["cached"][0] == 0
+    assert _step(load, "shared")["cached"] == [_full_blocks(q) for q in p]
+    assert _step(load, "shared")["tokens"] == _step(store, "shared")["tokens"]
+    assert runs["tp2_objects"] == 2 * 11  # each of the 2 ranks saved its 11 blocks
 
 
 def test_partial_prefix_hits_only_its_shared_blocks(runs):
