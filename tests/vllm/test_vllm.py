@@ -319,6 +319,10 @@ def test_failed_load_is_recomputed(runs):
     assert s["scheduler"]["tokens_hit"] > 0
     assert s["worker"]["tokens_load_failed"] > 0
     assert s["worker"]["tokens_loaded"] == 0
+    # the recomputed blocks are planned for saving again (the pool still hangs then:
+    # they count as failed saves)
+    w = s["worker"]
+    assert w["tokens_saved"] + w["tokens_save_failed"] >= w["tokens_load_failed"]
 
 
 def test_negative_control_loaded_kv_is_used(runs):

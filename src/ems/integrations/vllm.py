@@ -408,6 +408,18 @@ class EmsConnector(KVConnectorBase_V1):
             plan.saved_upto = done
             plan.has_saves = True
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them again then (a
+        load fails when the pool hung or lost them; the next request should hit)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for plan in self._plans.values():
+            for i, block in enumerate(plan.block_ids[:plan.saved_upto]):
+                if block in invalid:
+                    plan.saved_upto = i
+                    break
+
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._lookups.pop(request.request_id, None)
