@@ -39,6 +39,9 @@ class ConnectorSettings:
     #: request is served without the cache. A lookup answers in ~0.1 ms on a local
     #: daemon; 200 ms only ever passes when the pool hangs.
     lookup_timeout_ms: int = 200
+    #: a request that waits for KV blocks is asked about again every step; its
+    #: pool answer is reused for this long instead of asking the pool each time
+    lookup_reuse_ms: int = 1000
     #: deadline of one step's loads (the forward waits for them)
     load_timeout_ms: int = 5000
     #: deadline of one save (runs beside the engine; its blocks stay held meanwhile)

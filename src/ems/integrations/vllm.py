@@ -230,7 +230,8 @@ class EmsConnector(KVConnectorBase_V1):
         self._session = PoolSession.get(self.settings, config)
         # scheduler
         self._plans: dict[str, _Plan] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local blocks, hits)
+        # req_id -> (local blocks, pool hits, when asked)
+        self._lookups: dict[str, tuple[int, int, float]] = {}
         # worker
         self._load_errors: set[int] = set()
         self._saves: dict[str, list[Future]] = {}
@@ -329,6 +330,11 @@ class EmsConnector(KVConnectorBase_V1):
         last = (len(prompt) - 1) // bs  # full blocks before the last prompt token
         first = num_computed_tokens // bs
         plan = self._plans.setdefault(request.request_id, _Plan(request))
+        now = time.monotonic()
+        prev = self._lookups.get(request.request_id)
+        if prev is not None and prev[0] == first and \
+                now - prev[2] < self.settings.lookup_reuse_ms / 1000.0:
+            return prev[1] * bs, False  # asked again while waiting for blocks
         hits = 0
         if (self._can_load and last > first
                 and not getattr(request, "skip_reading_prefix_cache", False)):
@@ -340,14 +346,14 @@ class EmsConnector(KVConnectorBase_V1):
             self._counters.add(lookups=1, tokens_looked_up=len(hashes) * bs,
                                tokens_hit=hits * bs, lookup_s=time.perf_counter() - t0)
         # vLLM's own cache had ``first`` blocks: they need no save either
-        self._lookups[request.request_id] = (first, hits)
+        self._lookups[request.request_id] = (first, hits, now)
         return hits * bs, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         plan = self._plans.setdefault(request.request_id, _Plan(request))
-        first, hits = self._lookups.pop(request.request_id,
-                                        (request.num_computed_tokens // self.block_size, 0))
+        first, hits, _ = self._lookups.pop(
+            request.request_id, (request.num_computed_tokens // self.block_size, 0, 0.0))
         n_load = num_external_tokens // self.block_size
         plan.local_blocks = first
         plan.load_blocks = min(n_load, hits) if num_external_tokens else 0
