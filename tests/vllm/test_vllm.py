@@ -9,7 +9,9 @@ group) on failure:
 
 * run A (one process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): model A without the
   connector (the reference outputs of every prompt), then with the connector and
-  chunked prefill of 128 tokens a step: it stores the long shared prefix;
+  chunked prefill of 128 tokens a step: it stores the long shared prefix; then two
+  prompts in a KV cache too small for both (one is preempted), without and with the
+  connector;
 * run B (vLLM's default mode: scheduler and worker in other processes, a fresh
   engine): a partial-prefix prompt first, then the full prompts, loaded from the pool;
 * run T (default mode, tensor parallel 2, a worker process per rank): a TP=2 engine
@@ -96,6 +98,8 @@ def _prompts() -> dict[str, list[list[int]]]:
         "hung": [prefix[:3 * BS] + tok(100)],
         "after_kill": [tok(6 * BS + 5), prefix[:2 * BS] + tok(70)],
         "after_restart": [tok(5 * BS + 1)],
+        # two prompts that outgrow a 20-block KV cache while decoding: one is preempted
+        "preempt": [tok(280), tok(282)],
     }
 
 
@@ -144,7 +148,9 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             return out
 
         # run A: reference outputs of every prompt, then engine 1 stores the prefix
-        ref, store = engines("A", [
+        small_kv = {"max_model_len": 512, "kv_cache_bytes": 20 * (64 << 10),  # 20 blocks
+                     "max_tokens": 120}
+        ref, store, preempt_ref, preempt = engines("A", [
             {"name": "reference", "model": model_a, "connector": False,
              "steps": [{"name": "all", "prompts": all_a}]},
             # chunked prefill: 128 tokens a step, so most blocks are saved from the
@@ -152,7 +158,13 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "store", "model": model_a, "connector": True, "extra": extra,
              "max_batched": 4 * BS,
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
+            # preemption: 20 blocks of KV for two 9-block prompts decoding 120 tokens
+            {"name": "preempt-ref", "model": model_a, "connector": False, **small_kv,
+             "steps": [{"name": "preempt", "prompts": p["preempt"]}]},
+            {"name": "preempt", "model": model_a, "connector": True, "extra": extra,
+             **small_kv, "steps": [{"name": "preempt", "prompts": p["preempt"]}]},
         ], single)
+        results["preempt"] = (preempt_ref, preempt)
         results["reference"] = dict(zip(
             kinds, _split(ref["steps"][0]["tokens"], [len(p[k]) for k in kinds])))
         results["store"] = store
@@ -323,6 +335,18 @@ def test_failed_load_is_recomputed(runs):
     # they count as failed saves)
     w = s["worker"]
     assert w["tokens_saved"] + w["tokens_save_failed"] >= w["tokens_load_failed"]
+
+
+def test_preempted_request_resumes_with_identical_outputs(runs):
+    """vLLM preempts one request (its blocks freed: its saves waited for first), the
+    request resumes, is looked up again and loads its own blocks back from ems."""
+    ref, conn = runs["preempt"]
+    step = _step(conn, "preempt")
+    assert step["tokens"] == _step(ref, "preempt")["tokens"]
+    s = step["stats"]
+    assert s["scheduler"]["lookups"] > 2  # the resumed request was looked up again
+    assert s["worker"]["tokens_loaded"] > 0  # and loaded from ems what vLLM had evicted
+    assert s["worker"]["tokens_load_failed"] == 0
 
 
 def test_negative_control_loaded_kv_is_used(runs):
