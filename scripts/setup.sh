@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs ems (editable) and what it needs into the current Python environment.
 #   bash scripts/setup.sh          # the SDK, the demo's torch
-#   bash scripts/setup.sh test     # plus the test dependencies
+#   bash scripts/setup.sh test     # plus the test dependencies (and the cluster extra)
 # torch is installed only where it is absent, and then as the CPU build 2.13.0
 # (an unpinned torch would pull a multi-GB CUDA build); a torch you already have
 # is never replaced.
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 extras=""
-if [ "${1:-}" = "test" ]; then extras="[test,control]"; fi
+if [ "${1:-}" = "test" ]; then extras="[test,control,cluster]"; fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then

@@ -1,5 +1,5 @@
 """The ``ems`` command: ``ems demo`` (the main job), ``ems bench``, ``ems stats``,
-``ems tenants|keys|quota`` (ems-control).
+``ems tenants|keys|quota`` (ems-control), ``ems cluster``.
 
 Each subcommand lives in its own package and is imported only when used, so
 ``ems --help`` works without torch.
@@ -26,6 +26,8 @@ _COMMANDS = {
     "keys": ("ems.control.cli", "keys_main",
              "access keys on ems-control: issue, list, rotate, revoke"),
     "quota": ("ems.control.cli", "quota_main", "quotas on ems-control: set"),
+    "cluster": ("ems.cluster.launcher", "main",
+                "a local Valkey Cluster for ems-server --cluster (up / down)"),
 }
 
 

@@ -44,17 +44,50 @@ def format_report(report: dict[str, Any]) -> str:
                      str(t["objects"]), str(t["reserved"]), str(t["pinned"]),
                      f"{100 * t['hit_rate']:.1f}%", str(t["evictions"]),
                      str(t["expired_reservations"]), str(t["connections"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("  ".join(cells))
+    lines += _table(rows)
     refused = srv.get("refused") or {}
     if refused:
         lines.append("refused by limits: " + ", ".join(
             f"{name} {count}" for name, count in sorted(refused.items())))
     if srv.get("accepting") is False:
         lines.append("not accepting connections now (out of file descriptors; backing off)")
+    cluster = report.get("cluster")
+    if cluster:
+        lines += _cluster_lines(report, cluster)
     return "\n".join(lines)
+
+
+def _table(rows: list) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])
+            for r in rows]
+
+
+def _cluster_lines(report: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
+    """Per tier (local pool, cluster) and per Valkey node."""
+    t = cluster["tier"]
+    hits = sum(r["hits"] for r in report["tenants"].values())
+    misses = sum(r["misses"] for r in report["tenants"].values())
+    lines = [f"cluster {','.join(cluster['seeds'])} ({'TLS' if cluster['tls'] else 'TCP'}): "
+             f"{cluster['state']}; redirects {cluster.get('redirects', {})}"]
+    rows: list[tuple[str, ...]] = [("tier", "lookups", "hits", "misses", "hit rate",
+                                    "bytes in", "bytes out", "p50 ms", "p99 ms",
+                                    "write-behind")]
+    rows.append(("local", str(hits + misses), str(hits), str(misses),
+                 f"{100 * hits / max(1, hits + misses):.1f}%", "-", "-", "-", "-", "-"))
+    rows.append(("cluster", str(t["lookups"]), str(t["hits"]), str(t["misses"]),
+                 f"{100 * t['hit_rate']:.1f}%", _size(t["bytes_in"]), _size(t["bytes_out"]),
+                 f"{t['latency_p50_ms']:.2f}", f"{t['latency_p99_ms']:.2f}",
+                 f"{_size(t['write_behind_pending_bytes'])} pending, "
+                 f"{t['write_behind_dropped']} dropped"))
+    lines += _table(rows)
+    rows = [("node", "slots", "state", "ops", "errors", "skipped", "bytes in", "bytes out",
+             "last error")]
+    for n in cluster["nodes"]:
+        rows.append((n["node"], str(n["slots"]), n["state"], str(n["ops"]), str(n["errors"]),
+                     str(n["skipped"]), _size(n["bytes_in"]), _size(n["bytes_out"]),
+                     n["last_error"][:40] or "-"))
+    return lines + _table(rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,7 +3,6 @@ and quotas change over REST and the daemons apply them without a restart."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -12,10 +11,10 @@ import time
 
 import pytest
 from control_support import wait_for
+from itest_support import transport_load, transport_save
 
 from ems.client.remote import RemoteTransport
 from ems.errors import EmsErrorCode, EmsException
-from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
 
 pytestmark = pytest.mark.integration
@@ -55,10 +54,8 @@ def accepts(server, access_id: str, key: str) -> bool:
 
 
 def save(t: RemoteTransport, keys: list, size: int = SIZE) -> int:
-    slots = t.reserve(keys, [size] * len(keys), Task(5000, "save"))
-    for key, slot in zip(keys, slots):
-        ctypes.memset(slot.segment.address + slot.offset, hash(key) & 0xFF, size)
-    return sum(t.commit([s.token for s in slots], Task(5000, "commit")))
+    """Through the transport's verb, as ContextCaching saves."""
+    return transport_save(t, keys, size)
 
 
 def tenant_row(server, name: str):
@@ -190,7 +187,7 @@ def test_a_quota_change_applies_live_without_dropping_cached_data(two):
             assert 0 < row["objects"] < 64 and row["evictions"] == 64 - row["objects"]
             # the most recent keys stayed, readable, on the same connection
             assert s.exists(keys[-8:], None) == 8
-            assert len(s.acquire(keys[-8:], [SIZE] * 8, Task(5000, "load"))) == 8
+            assert transport_load(s, keys[-8:], SIZE)[0] == 8
         control.call("PUT", "/v1/tenants/team-q/quota", {"quota": "64M"})  # above the segment
         for server in hosts:
             wait_for(lambda s=server: tenant_row(s, "team-q")["quota_bytes"] == 64 << 20,

@@ -7,11 +7,11 @@ import urllib.request
 
 import pytest
 from control_support import free_port, wait_for
+from itest_support import transport_load, transport_save
 from prometheus_client.parser import text_string_to_metric_families
 
 from ems.client.remote import RemoteTransport
 from ems.errors import EmsException
-from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
 from ems.testing import run_server
 
@@ -51,13 +51,10 @@ def test_metrics_of_a_controlled_daemon(control, daemons):
     tr = wait_for(connect, 5.0, "the tenant")
     try:
         keys = storage([f"m{i}" for i in range(4)])
-        slots = tr.reserve(keys, [SIZE] * 4, Task(5000, "save"))
-        assert all(tr.commit([s.token for s in slots], Task(5000, "commit")))
-        pins = tr.acquire(keys, [SIZE] * 4, Task(5000, "load"))
-        assert len(pins) == 4
-        tr.release([p.token for p in pins])
-        assert tr.acquire(storage(["absent"]), [SIZE], Task(5000, "load")) == []
-        assert tr.acquire(keys[:1], [SIZE + 64], Task(5000, "load")) == []
+        assert transport_save(tr, keys, SIZE) == 4
+        assert transport_load(tr, keys, SIZE)[0] == 4
+        assert transport_load(tr, storage(["absent"]), SIZE)[0] == 0
+        assert transport_load(tr, keys[:1], SIZE + 64)[0] == 0  # another size: a miss
         fams = scrape(port)
     finally:
         tr.close()

@@ -13,9 +13,9 @@ import subprocess
 
 import pytest
 from control_support import wait_for
+from itest_support import transport_load, transport_save
 
 from ems.client.remote import RemoteTransport
-from ems.futures import Task
 from ems.keys import v0_storage_keys as storage
 
 pytestmark = pytest.mark.integration
@@ -96,12 +96,10 @@ def test_status_page_renders_the_reported_numbers(tmp_path, control, daemons):
     tr = wait_for(connect, 5.0, "the tenant")
     try:
         keys = storage([f"s{i}" for i in range(6)])
-        slots = tr.reserve(keys, [SIZE] * 6, Task(5000, "save"))
-        assert all(tr.commit([s.token for s in slots], Task(5000, "commit")))
-        pins = tr.acquire(keys, [SIZE] * 6, Task(5000, "load"))  # 6 hits
-        tr.release([p.token for p in pins])
-        assert tr.acquire(storage(["nope"]), [SIZE], Task(5000, "load")) == []  # 1 miss
-        assert tr.acquire(storage(["nope2"]), [SIZE], Task(5000, "load")) == []  # 2 misses
+        assert transport_save(tr, keys, SIZE) == 6
+        assert transport_load(tr, keys, SIZE)[0] == 6  # 6 hits
+        assert transport_load(tr, storage(["nope"]), SIZE)[0] == 0  # 1 miss
+        assert transport_load(tr, storage(["nope2"]), SIZE)[0] == 0  # 2 misses
 
         def reported():
             hosts = control.call("GET", "/v1/hosts")[1]["hosts"]

@@ -4,6 +4,7 @@ instead of waiting for a reviewer):
 * ``protocol`` imports nothing of ours but ``errors``;
 * ``pool`` imports nothing of ours;
 * ``client`` never imports ``server``, ``server`` never imports ``client``;
+* ``cluster`` imports neither ``client`` nor ``server``;
 * no core module imports the top-level ``ems`` package (its public names): ``bench``,
   ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
   users and may;
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ems"
-CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server")
+CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server",
+        "cluster")
 
 
 def _modules():
@@ -63,6 +65,8 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: the client never imports the daemon")
             if area == "server" and to == "client":
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
+            if area == "cluster" and to in ("client", "server"):
+                bad.append(f"{module} imports {target}: the cluster parts are pure")
             if area in CORE and target == "ems":
                 public = [n for n in names if not n.startswith("_")]
                 if public or not names:

@@ -48,8 +48,10 @@ from ems.bench.workloads import WORKLOADS, Context, Params, max_batch_bytes, run
 
 __all__ = ["main", "SYSTEMS", "PEERS"]
 
-SYSTEMS = ("memcpy", "ems-embedded", "ems-daemon", "mooncake", "redis", "lmcache")
-PEERS = ("mooncake", "redis", "lmcache")
+SYSTEMS = ("memcpy", "ems-embedded", "ems-daemon", "mooncake", "redis", "lmcache", "cluster")
+#: "cluster": ems across two simulated hosts on a local Valkey Cluster, and valkey-py on
+#: the same cluster (ems.bench.cluster; needs the cluster extra)
+PEERS = ("mooncake", "redis", "lmcache", "cluster")
 _ALIASES = {"embedded": "ems-embedded", "daemon": "ems-daemon", "server": "ems-daemon",
             "ems-server": "ems-daemon"}
 
@@ -214,6 +216,18 @@ def _start_systems(ctx: Context, stack: contextlib.ExitStack, want: list[str],
                                   "+ hiredis, pipelined SET / GET (transaction=False)"}
             elif name == "lmcache":
                 raise Unavailable(lmcache_unavailable_reason())
+            elif name == "cluster":
+                from ems.bench.cluster import ClusterHosts, CrossHostSystem, ValkeyPySystem
+                hosts = ClusterHosts(os.path.join(ctx.work_dir, "cluster"), p.capacity_bytes)
+                stack.callback(hosts.close)
+                try:
+                    peer: Any = ValkeyPySystem(hosts)
+                    ctx.systems[peer.name] = peer
+                    stack.callback(peer.close)
+                except Unavailable as exc:
+                    ctx.problem("valkey-py", "setup", str(exc))
+                system = CrossHostSystem(hosts, p.capacity_bytes)
+                name = system.name
             else:  # pragma: no cover - _names filters
                 continue
         except Unavailable as exc:

@@ -106,6 +106,23 @@ def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) 
     return make(rid, lo, hi)
 
 
+# A request's options travel with it (a cluster daemon acts on them, ems.server.
+# cluster_tier; a single-host daemon ignores them).
+def _write_rcache(option: Optional[CcKvOption]) -> bool:
+    return True if option is None else bool(option.write_rcache)
+
+
+def _read_local_only(option: Optional[CcKvOption]) -> bool:
+    return False if option is None else bool(option.read_local_only)
+
+
+def _budget_ms(task: Optional[Task]) -> int:
+    """What is left of the task's deadline, ms (0: no deadline)."""
+    if task is None or task.deadline is None:
+        return 0
+    return max(1, int((task.deadline - time.monotonic()) * 1000))
+
+
 # ---------------------------------------------------------------------- transport
 
 class RemoteTransport(Transport):
@@ -261,7 +278,9 @@ class RemoteTransport(Transport):
             stored = self._save_leased(session, req, task, spin)
             if stored is not None:
                 return stored
-        return two_phase_save(req, task, functools.partial(self._reserve, spin=spin),
+        wrc = _write_rcache(req.option)
+        return two_phase_save(req, task,
+                              functools.partial(self._reserve, spin=spin, write_rcache=wrc),
                               functools.partial(self._commit, spin=spin), self._abort)
 
     def _save_leased(self, session: _Session, req: Request, task: Task, spin: bool
@@ -294,14 +313,16 @@ class RemoteTransport(Transport):
                 session.lease_asked = False
             session.post(m.Return(list(offsets), sizes))
             raise
-        return self._put(session, list(req.keys), offsets, sizes, want, task, spin)
+        return self._put(session, list(req.keys), offsets, sizes, want, task, spin,
+                         _write_rcache(req.option))
 
     def _put(self, session: _Session, keys: list[str], offsets: list[int], sizes: list[int],
-             want: bool, task: Task, spin: bool) -> list[bool]:
+             want: bool, task: Task, spin: bool, write_rcache: bool = True) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
-            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want], task,
-                                  session, spin)
+            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want,
+                                               write_rcache, _budget_ms(task)],
+                                  task, session, spin)
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
             # carved already (and is ignored).
@@ -325,7 +346,8 @@ class RemoteTransport(Transport):
         session.install_lease(offset, size)
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task,
-                 spin: bool = False) -> tuple[_Session, list[Slot]]:
+                 spin: bool = False, write_rcache: bool = True
+                 ) -> tuple[_Session, list[Slot]]:
         """Reserve (in slices of the daemon's max_keys); the slots of NEW keys, and the
         connection they belong to (their tokens mean nothing on another)."""
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
@@ -335,7 +357,8 @@ class RemoteTransport(Transport):
             for r in replies:
                 self._undo_granted(session, r)
         session, replies = self._sliced(
-            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi]),
+            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi],
+                                                     write_rcache),
             m.Granted, task, lambda r, n: len(r.statuses) == n, undo, spin)
         reply = replies[0] if len(replies) == 1 else m.Granted(
             replies[0].rid, *([x for r in replies for x in getattr(r, f)]
@@ -375,7 +398,8 @@ class RemoteTransport(Transport):
                             "its reservations are gone")
         try:
             _, replies = self._sliced(
-                len(tokens), lambda rid, lo, hi: m.Commit(rid, tokens[lo:hi]), m.Committed,
+                len(tokens), lambda rid, lo, hi: m.Commit(rid, tokens[lo:hi],
+                                                          _budget_ms(task)), m.Committed,
                 task, lambda r, n: True, lambda s, r: None, spin)
         except EmsException:
             # Nobody aborts after a failed commit: do it here. If the commit did reach
@@ -405,7 +429,8 @@ class RemoteTransport(Transport):
 
     def load(self, req: Request, task: Task, spin: bool = False) -> int:
         """Pin the leading hits, copy them out, unpin: how many leading keys loaded."""
-        session, reply = self._pin(list(req.keys), list(req.sizes), task, spin)
+        session, reply = self._pin(list(req.keys), list(req.sizes), task, spin,
+                                   _read_local_only(req.option))
         if not reply.tokens:
             return 0
         segment = session.segment
@@ -416,23 +441,25 @@ class RemoteTransport(Transport):
             self._post_list(session, reply.tokens, m.Release)
         return len(reply.tokens)
 
-    def _pin(self, keys: list[str], sizes: list[int], task: Task, spin: bool
-             ) -> tuple[_Session, m.Pinned]:
+    def _pin(self, keys: list[str], sizes: list[int], task: Task, spin: bool,
+             local_only: bool = False) -> tuple[_Session, m.Pinned]:
         """Acquire (in slices of the daemon's max_keys, stopping at the first miss), and
         check that every pinned range is in the segment and of the expected size (else
         unpin and raise)."""
         session = self._session
         if (session is not None and session.broken is None
                 and len(keys) <= session.max_keys):  # the usual case: one request
-            session, reply = self._call(lambda rid: [_ACQUIRE, rid, keys, sizes], task,
-                                        None, spin)
+            session, reply = self._call(
+                lambda rid: [_ACQUIRE, rid, keys, sizes, local_only, _budget_ms(task)], task,
+                None, spin)
             if type(reply) is not m.Pinned:
                 raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
         else:
             def release(session: _Session, replies: list) -> None:
                 self._post_list(session, [t for r in replies for t in r.tokens], m.Release)
             session, replies = self._sliced(
-                len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi]],
+                len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi],
+                                                local_only, _budget_ms(task)],
                 m.Pinned, task, lambda r, n: len(r.tokens) == n, release, spin)
             reply = replies[0] if len(replies) == 1 else m.Pinned(
                 replies[0].rid, *([x for r in replies for x in getattr(r, f)]
@@ -452,9 +479,12 @@ class RemoteTransport(Transport):
                option: Optional[CcKvOption] = None) -> int:
         keys = list(keys)
         want = None if sizes is None else list(sizes)
+        local_only = _read_local_only(option)
+        budget = int(CONTROL_TIMEOUT_S * 1000 * 0.8)  # bounds a cluster daemon's lookup
         _, replies = self._sliced(
             len(keys), lambda rid, lo, hi: m.Exists(rid, keys[lo:hi],
-                                                    None if want is None else want[lo:hi]),
+                                                    None if want is None else want[lo:hi],
+                                                    local_only, budget),
             m.Count, None, lambda r, n: r.n == n, lambda s, r: None)
         n = sum(r.n for r in replies)
         if n > len(keys) or any(r.n > len(keys) for r in replies):

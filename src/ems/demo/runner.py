@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--instances", type=int, default=1,
                    help="run the ems pass in N worker processes, one after another, "
                         "sharing the ems-server daemon's pool (needs EMS_POOL=server)")
+    r.add_argument("--hosts", type=int, default=1,
+                   help="N > 1: N simulated hosts (one ems-server each) on one local "
+                        "Valkey Cluster; an instance per host, one after another (needs "
+                        "the cluster extra); see ems.demo.hosts")
     r.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
@@ -123,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> DemoSettings:
     """Check the numbers and build the configs; ``ValueError`` says what is wrong."""
     for name in ("prefixes", "requests", "prefix_tokens", "suffix_tokens", "decode_tokens",
-                 "block_size", "threads", "instances"):
+                 "block_size", "threads", "instances", "hosts"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.timeout_ms < 0 or args.atol < 0:
@@ -488,6 +492,9 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     try:
         if args.worker_out:
             return _worker(settings, args.worker_out, args.worker_label, progress)
+        if args.hosts > 1:
+            from ems.demo.hosts import run_hosts
+            return run_hosts(settings, args, progress, out)
         if args.instances > 1:
             return _run_instances(settings, args, progress, out)
         return _run_single(settings, args, progress, out)

@@ -286,6 +286,15 @@ class Pool:
                            else GrantStatus.BUSY)
         return out
 
+    def owns(self, offsets: Sequence[int], sizes: Sequence[int], owner: Hashable) -> bool:
+        """Whether every range is a free, non-overlapping range of ``owner``'s lease
+        (what ``carve`` would accept)."""
+        try:
+            self._checked_lease(offsets, sizes, owner)
+        except ValueError:
+            return False
+        return True
+
     def unlease(self, offsets: Sequence[int], sizes: Sequence[int], owner: Hashable) -> None:
         """Free ranges of ``owner``'s lease (unwritten, or aborted); ranges that are not
         in it any more (carved meanwhile) are ignored."""
@@ -340,11 +349,13 @@ class Pool:
 
     # ------------------------------------------------------------------ reads
     def acquire(self, keys: Sequence[Hashable], sizes: Optional[Sequence[Optional[int]]] = None,
-                owner: Hashable = None) -> list[Pin]:
+                owner: Hashable = None, count: bool = True) -> list[Pin]:
         """Pin the leading run of keys that are committed (and of the expected size).
 
         Stops at the first miss: blocks after a hole cannot be used by a prefix cache,
         so they are neither pinned nor counted. Returns one :class:`Pin` per leading hit.
+        ``count`` False: not a lookup of a reader (the cluster tier pins what it sends,
+        or what it has just fetched): hits and misses are not counted.
         """
         pins = []
         for i, key in enumerate(keys):
@@ -352,16 +363,18 @@ class Pool:
             want = None if sizes is None else sizes[i]
             if obj is None or obj.state is not _State.COMMITTED or (
                     want is not None and want != obj.size):
-                self._misses += 1
-                if obj is None:
-                    self._miss_absent += 1
-                elif obj.state is not _State.COMMITTED:
-                    self._miss_pending += 1
-                else:
-                    self._miss_size += 1
+                if count:
+                    self._misses += 1
+                    if obj is None:
+                        self._miss_absent += 1
+                    elif obj.state is not _State.COMMITTED:
+                        self._miss_pending += 1
+                    else:
+                        self._miss_size += 1
                 break
-            self._hits += 1
-            self._hit_bytes += obj.size
+            if count:
+                self._hits += 1
+                self._hit_bytes += obj.size
             if obj.pins == 0:
                 self._policy.remove(key)
             obj.pins += 1

@@ -44,7 +44,8 @@ __all__ = [
 ]
 
 MAGIC = b"EM"
-PROTOCOL_VERSION = 3  # 2: leases (Lease, Put, Return); 3: Welcome.max_keys, Ping before Hello
+PROTOCOL_VERSION = 4  # 2: leases (Lease, Put, Return); 3: Welcome.max_keys, Ping before Hello;
+#  4: request options (write_rcache, local_only, budget_ms: the cluster tier)
 HEADER = struct.Struct(">2sBBI")  # 8 bytes
 _pack_header = HEADER.pack
 _unpack_header = HEADER.unpack_from

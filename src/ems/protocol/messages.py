@@ -16,19 +16,31 @@ A connection goes through two phases::
                                      <-      Welcome(...) + memfd   (SCM_RIGHTS)
                                              or Error(EMS_AUTH_FAILED) and close
     ---------------------------- ready ----------------------------------------
-    Reserve(rid, keys, sizes)        ->      Granted(rid, statuses, tokens, offsets, sizes)
-    Commit(rid, tokens)              ->      Committed(rid, ok)
+    Reserve(rid, keys, sizes,        ->      Granted(rid, statuses, tokens, offsets, sizes)
+            write_rcache)
+    Commit(rid, tokens, budget_ms)   ->      Committed(rid, ok)
     Abort(tokens)                    ->      (no reply)
-    Acquire(rid, keys, sizes)        ->      Pinned(rid, tokens, offsets, sizes)
+    Acquire(rid, keys, sizes,        ->      Pinned(rid, tokens, offsets, sizes)
+            local_only, budget_ms)
     Release(tokens)                  ->      (no reply)
-    Exists(rid, keys, sizes)         ->      Count(rid, n)
+    Exists(rid, keys, sizes,         ->      Count(rid, n)
+           local_only, budget_ms)
     Lease(rid)                       ->      Leased(rid, offset, size)   (size 0: no room)
     Put(rid, keys, offsets, sizes,   ->      Stored(rid, ok, lease_offset, lease_size)
-        want_lease)
+        want_lease, write_rcache,
+        budget_ms)
     Return(offsets, sizes)           ->      (no reply)
     Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
     Ping(rid)                        ->      Pong(rid)
     any request                      ->      Error(rid, code, message)
+
+The options of a request travel with it (``write_rcache``, ``local_only`` =
+``read_local_only``, ``budget_ms`` = what is left of its deadline): a daemon with a
+cluster tier (``ems.server.cluster_tier``) acts on them, a single-host one ignores
+them. A cluster daemon may answer an Acquire, Exists, Put or Commit later than
+requests sent after it (after its cluster round trip): replies are matched by rid.
+The option fields are the last ones and have defaults; a sender may leave them off
+(``validate`` fills in the defaults: what the request meant before they existed).
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -190,8 +202,13 @@ def _tree(v: Any, depth: int = 0) -> bool:
     return False
 
 
-def _field(check: Callable[[Any], bool]) -> Any:
-    return dataclasses.field(metadata={"check": check})
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def _field(check: Callable[[Any], bool], default: Any = _NO_DEFAULT) -> Any:
+    """A field and its check; a ``default`` only lets code build the message without
+    it (the wire form always carries every field)."""
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
 # ----------------------------------------------------------------------- base
@@ -209,6 +226,8 @@ class Message:
     PARALLEL: ClassVar[tuple[tuple[str, ...], ...]] = ()
     _NAMES: ClassVar[tuple[str, ...]] = ()
     _CHECKS: ClassVar[tuple[Callable[[Any], bool], ...]] = ()
+    #: defaults of the trailing fields a sender may leave off (the request options)
+    _DEFAULTS: ClassVar[tuple[Any, ...]] = ()
     _PARALLEL_IDX: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
@@ -227,7 +246,12 @@ class Message:
         path uses them positionally, without building a message object)."""
         checks = cls._CHECKS
         if len(values) != len(checks):
-            raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
+            # Trailing option fields (those with a default) may be left off: the
+            # request then means what it meant before they existed.
+            missing = len(checks) - len(values)
+            if not 0 < missing <= len(cls._DEFAULTS):
+                raise _bad(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
+            values = [*values, *cls._DEFAULTS[len(cls._DEFAULTS) - missing:]]
         for check, value in zip(checks, values):
             if not check(value):
                 i = next(j for j, (c, v) in enumerate(zip(checks, values)) if not c(v))
@@ -257,6 +281,12 @@ def _message(code: int) -> Callable[[type[_M]], type[_M]]:
         fields = dataclasses.fields(cls)
         cls._NAMES = tuple(f.name for f in fields)
         cls._CHECKS = tuple(f.metadata["check"] for f in fields)
+        trailing: list[Any] = []
+        for f in reversed(fields):  # the defaults of the trailing optional fields
+            if f.default is dataclasses.MISSING:
+                break
+            trailing.insert(0, f.default)
+        cls._DEFAULTS = tuple(trailing)
         get = operator.attrgetter(*cls._NAMES)  # (one name: a value, not a tuple)
         cls._fields_of = staticmethod(get if len(cls._NAMES) > 1 else lambda msg: (get(msg),))
         cls._PARALLEL_IDX = tuple(tuple(cls._NAMES.index(n) for n in group)
@@ -334,16 +364,24 @@ class Welcome(Message):
 
 @_message(10)
 class Reserve(Message):
+    """``write_rcache`` False: the values go to the cluster's home node only (a
+    cluster daemon sends them at Commit and keeps no local copy)."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: list = _field(_uints)
+    write_rcache: bool = _field(_bool, True)
     PARALLEL = (("keys", "sizes"),)
 
 
 @_message(11)
 class Commit(Message):
+    """``budget_ms``: what is left of the request's deadline (0: none), which bounds a
+    cluster daemon's write to the home node."""
+
     rid: int = _field(_rid)
     tokens: list = _field(_uints)
+    budget_ms: int = _field(_uint, 0)
 
 
 @_message(12)
@@ -353,9 +391,15 @@ class Abort(Message):
 
 @_message(13)
 class Acquire(Message):
+    """``local_only`` (CcKvOption.read_local_only): a cluster daemon does not go to the
+    home nodes for the keys its local pool missed; ``budget_ms`` bounds that (0: no
+    deadline)."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: Optional[list] = _field(_opt(_uints))
+    local_only: bool = _field(_bool, False)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "sizes"),)
 
 
@@ -366,9 +410,13 @@ class Release(Message):
 
 @_message(15)
 class Exists(Message):
+    """``local_only``/``budget_ms`` as for :class:`Acquire`."""
+
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     sizes: Optional[list] = _field(_opt(_uints))
+    local_only: bool = _field(_bool, False)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "sizes"),)
 
 
@@ -390,13 +438,17 @@ class Lease(Message):
 
 @_message(19)
 class Put(Message):
-    """Commit values written into the connection's lease at ``offsets``."""
+    """Commit values written into the connection's lease at ``offsets``.
+    ``write_rcache`` False: a cluster daemon sends them to the home node only and
+    gives the ranges back (no local copy); ``budget_ms`` bounds that (0: none)."""
 
     rid: int = _field(_rid)
     keys: list = _field(_strs)
     offsets: list = _field(_uints)
     sizes: list = _field(_uints)
     want_lease: bool = _field(_bool)
+    write_rcache: bool = _field(_bool, True)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "offsets", "sizes"),)
 
 

@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", dest="metrics_addr",
                    help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9464 "
                         "(default off; env EMS_METRICS_ADDR)")
+    p.add_argument("--cluster", dest="cluster",
+                   help="join the shared tier: valkey://HOST:PORT[,HOST:PORT...] "
+                        "(valkeys://: TLS; env EMS_CLUSTER; password: EMS_CLUSTER_PASSWORD)")
+    p.add_argument("--cluster-ca-file", dest="cluster_ca_file",
+                   help="CA bundle for a valkeys:// cluster (env EMS_CLUSTER_CA_FILE)")
+    p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
+                   help="bytes of write-behind in flight at most, e.g. 256M (default)")
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",
                    help="a bound on what one client may hold or send (repeatable), e.g. "
                         "max_keys_per_request=4096; see ems.server.config.Limits")

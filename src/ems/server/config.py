@@ -15,6 +15,11 @@ reservation TTL        ``--reservation-ttl-s`` ``reservation_ttl_s``   ``EMS_RES
 socket permissions     ``--socket-mode``       ``socket_mode``         -
 log level              ``--log-level``         ``log_level``           ``EMS_LOG_LEVEL``
 busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SERVER_SPIN_US``
+cluster (shared tier)  ``--cluster``           ``cluster``             ``EMS_CLUSTER``
+cluster TLS CA file    ``--cluster-ca-file``   ``cluster_ca_file``     ``EMS_CLUSTER_CA_FILE``
+cluster password       -                       -                       ``EMS_CLUSTER_PASSWORD``
+write-behind bound     ``--cluster-write-      ``cluster_write_        -
+                       behind``                behind``
 control plane URL      ``--control``           ``control``             ``EMS_CONTROL``
 its daemon token file  ``--control-token-file`` ``control_token_file`` ``EMS_CONTROL_TOKEN_FILE``
 registry poll period   ``--control-poll-s``    ``control_poll_s``      -
@@ -25,8 +30,13 @@ limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
 
 With ``control`` set, tenants come from ``ems-control`` (``ems.server.control_sync``,
-docs/control.md) and the tenants file must not be given; ``metrics_addr``
+the README's control-plane section) and the tenants file must not be given; ``metrics_addr``
 (``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``).
+
+The cluster: ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
+TLS) joins the daemon to a Valkey Cluster that holds the pool shared by every host
+(``ems.server.cluster_tier``, the README's cluster section). Its credentials stay in the daemon;
+prefer ``EMS_CLUSTER_PASSWORD`` to a password in the URL (which ``ps`` shows).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
 for ``spin_us`` microseconds (default 200; 0: sleep at once), yielding the CPU to any
@@ -71,7 +81,8 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
               "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
-              "metrics_addr", "limits"}
+              "metrics_addr", "limits", "cluster", "cluster_ca_file",
+              "cluster_write_behind"}
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -209,6 +220,12 @@ class ServerConfig:
     host_name: Optional[str] = None
     #: ``HOST:PORT`` of the Prometheus exporter; None: off
     metrics_addr: Optional[str] = None
+    #: the Valkey Cluster of the shared tier (None: this host only)
+    cluster: Optional[str] = dataclasses.field(default=None, repr=False)
+    cluster_ca_file: Optional[str] = None
+    cluster_password: Optional[str] = dataclasses.field(default=None, repr=False)
+    #: bytes of write-behind in flight at most (past it, a save stays local only)
+    cluster_write_behind_bytes: int = 256 << 20
     #: bounds on what one client may hold or send (see :class:`Limits`)
     limits: Limits = dataclasses.field(default_factory=Limits)
 
@@ -250,6 +267,12 @@ class ServerConfig:
             if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
                 raise invalid(f"metrics_addr must be HOST:PORT like 127.0.0.1:9464, got "
                               f"{self.metrics_addr!r}")
+        if self.cluster is not None:
+            from ems.cluster.topology import parse_url
+            parse_url(self.cluster, self.cluster_ca_file)  # fails closed, naming cluster
+        if self.cluster_write_behind_bytes < 0:
+            raise invalid(f"cluster_write_behind must be >= 0, got "
+                          f"{self.cluster_write_behind_bytes}")
 
     @property
     def socket_path(self) -> str:
@@ -269,9 +292,12 @@ class ServerConfig:
                          ("EMS_LOG_LEVEL", "log_level"), ("EMS_SERVER_SPIN_US", "spin_us"),
                          ("EMS_CONTROL", "control"),
                          ("EMS_CONTROL_TOKEN_FILE", "control_token_file"),
-                         ("EMS_HOST_NAME", "host_name"), ("EMS_METRICS_ADDR", "metrics_addr")):
+                         ("EMS_HOST_NAME", "host_name"), ("EMS_METRICS_ADDR", "metrics_addr"),
+                         ("EMS_CLUSTER", "cluster"), ("EMS_CLUSTER_CA_FILE", "cluster_ca_file")):
             if env.get(var):
                 values[key] = _from_env(var, key, env[var])
+        if env.get("EMS_CLUSTER_PASSWORD"):  # never a flag: ps would show it
+            values["cluster_password"] = env["EMS_CLUSTER_PASSWORD"]
         quotas = dict(values.pop("quotas", {}))
         limits = dict(values.pop("limits", {}))
         for key in _FILE_KEYS - {"quotas", "limits"}:
@@ -322,6 +348,15 @@ class ServerConfig:
                 kw[key] = _str(v[key], key)
         if "control_poll_s" in v:
             kw["control_poll_s"] = v["control_poll_s"]
+        if "cluster" in v:
+            kw["cluster"] = _str(v["cluster"], "cluster")
+        if "cluster_ca_file" in v:
+            kw["cluster_ca_file"] = _str(v["cluster_ca_file"], "cluster_ca_file")
+        if "cluster_write_behind" in v:
+            kw["cluster_write_behind_bytes"] = parse_bytes(v["cluster_write_behind"],
+                                                           "cluster_write_behind")
+        if v.get("cluster_password"):
+            kw["cluster_password"] = v["cluster_password"]
         if "limits" in v:
             kw["limits"] = v["limits"]
         kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}

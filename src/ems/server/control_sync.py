@@ -290,9 +290,10 @@ class ControlSync:
         payload["control"] = self.state()
         for row in payload.get("tenants", {}).values():
             lookups = row["hits"] + row["misses"]
-            row["tiers"] = {"local": {"hits": row["hits"], "misses": row["misses"],
-                                      "hit_rate": row["hits"] / lookups if lookups else 0.0,
-                                      "hit_bytes": row.get("hit_bytes", 0)}}
+            row["tiers"] = dict(row.get("tiers", {}),  # (the cluster tier's, if any)
+                                local={"hits": row["hits"], "misses": row["misses"],
+                                       "hit_rate": row["hits"] / lookups if lookups else 0.0,
+                                       "hit_bytes": row.get("hit_bytes", 0)})
         try:
             self._request("POST", "/v1/hosts/" + urllib.parse.quote(self.host, safe="") +
                           "/report", json.dumps(payload).encode())

@@ -8,6 +8,12 @@ of handlers, and answered with wire lists: no message object per request. After 
 request the loop polls without sleeping for ``spin_us`` (yielding the CPU between
 polls), so a client that sends its next request soon does not wait for a wake-up.
 
+With ``--cluster`` (``ems.server.cluster_tier``) the pools are also the read cache of
+a Valkey Cluster shared by every host: the handlers of Acquire, Exists, Put, Reserve
+and Commit hand the cluster's part to the tier, whose worker threads do the network
+I/O and queue their completions, which the loop runs when the wake socketpair fires;
+those requests are then answered after their cluster round trip (by rid).
+
 A connection goes through these phases::
 
     accept --> HELLO --(anonymous / admin)-----------------------> READY --> closed
@@ -61,7 +67,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import Pool
+from ems.pool.core import GrantStatus, Pool
 from ems.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -70,6 +76,7 @@ from ems.protocol import (
     encode_wire,
 )
 from ems.protocol import messages as m
+from ems.server import cluster_tier as _cluster_tier
 from ems.server.config import Limits, ServerConfig
 from ems.server.tenants import Tenant, TenantRegistry
 
@@ -161,11 +168,20 @@ class Daemon:
         self._backoff_s = _BACKOFF_MIN_S
         self._warned_at = -_WARN_EVERY_S
         self._unwarned = 0
+        #: the shared tier (``--cluster``), started with the daemon; None: this host only
+        self.cluster: Optional[_cluster_tier.ClusterTier] = None
 
     # ------------------------------------------------------------ start / stop
     def start(self) -> None:
         """Take the socket (refusing a live daemon, replacing a stale socket file)."""
         path = self.path
+        if self.config.cluster and self.cluster is None:  # starts no thread yet
+            try:
+                self.cluster = _cluster_tier.start(self.config, self.wake, self._reply_late,
+                                                   self._lease)
+            except RuntimeError as exc:
+                raise DaemonError(str(exc)) from exc
+            self.wake_hooks.append(self.cluster.drain)  # its workers' completions
         if len(os.fsencode(path)) > 107:
             raise DaemonError(f"socket path {path} is longer than the 107 bytes a unix "
                               f"socket allows; use a shorter socket_dir")
@@ -304,6 +320,9 @@ class Daemon:
 
     def close(self) -> None:
         """Close every connection, remove the socket, free the pools' memory."""
+        if self.cluster is not None:  # first: its workers end by their deadlines
+            self.cluster.close()
+            self.cluster = None
         for conn in list(self._conns.values()):
             self._close(conn, "ems-server is stopping")
         if self._listener is not None:
@@ -500,6 +519,11 @@ class Daemon:
         """Answer with a message of ``cls`` given by its fields (no object is built)."""
         self._send_frame(conn, encode_wire([cls.TYPE, *fields]))
 
+    def _reply_late(self, conn: _Conn, cls: type[m.Message], *fields: Any) -> None:
+        """A reply after the cluster tier's round trip: only to a connection still open."""
+        if conn.phase is _Phase.READY:
+            self._reply(conn, cls, *fields)
+
     def _send_frame(self, conn: _Conn, data: bytes, fds: tuple[int, ...] = ()) -> None:
         if not conn.out and not fds:  # the usual case: straight out, nothing queued
             try:
@@ -571,6 +595,8 @@ class Daemon:
         if conn.tenant is not None:
             conn.tenant.pool.drop_owner(conn.id)
             conn.tenant.connections -= 1
+            if self.cluster is not None:
+                self.cluster.forget(conn)
         logger.debug("ems-server: %s closed: %s", conn, why)
 
     # ------------------------------------------------------------ messages
@@ -697,31 +723,52 @@ class Daemon:
         return False
 
     def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes = v
+        rid, keys, sizes, write_rcache = v
         if any(size <= 0 for size in sizes):
             self._reply(conn, m.Error, rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
                         "sizes must be > 0")
             return
         grants = pool.reserve(keys, sizes, conn.id)
+        if self.cluster is not None:
+            self.cluster.reserved(conn, keys, grants, write_rcache)
         self._reply(conn, m.Granted, rid, [int(g.status) for g in grants],
                     [g.token for g in grants], [g.offset for g in grants],
                     [g.size for g in grants])
 
     def _on_commit(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
+        if self.cluster is not None and self.cluster.commit(conn, conn.tenant, v[0], v[1],
+                                                            v[2]):
+            return  # answered by the cluster tier (now, or after the home node has it)
         self._reply(conn, m.Committed, v[0], pool.commit(v[1], conn.id))
 
     def _on_abort(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         pool.abort(v[0], conn.id)
+        if self.cluster is not None:
+            self.cluster.forget(conn, v[0])
 
     def _on_put(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, offsets, sizes, want_lease = v
+        rid, keys, offsets, sizes, want_lease, write_rcache, budget_ms = v
+        cluster = self.cluster
+        if cluster is not None and not write_rcache:  # the home node only
+            if not pool.owns(offsets, sizes, conn.id):
+                raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                                   "Put: a range that is not a free range of this "
+                                   "connection's lease")
+            cluster.put_through(conn, conn.tenant, rid, keys, offsets, sizes, want_lease,
+                                budget_ms)
+            return
         try:
-            pool.carve(keys, offsets, sizes, conn.id)
+            statuses = pool.carve(keys, offsets, sizes, conn.id)
         except ValueError as exc:  # only its own lease: anything else ends the connection
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
         offset, size = self._lease(pool, conn) if want_lease else (0, 0)
         # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
         self._reply(conn, m.Stored, rid, [True] * len(keys), offset, size)
+        if cluster is not None:  # after the reply: the write-behind is not its business
+            new = [i for i, st in enumerate(statuses) if st is GrantStatus.NEW]
+            if new:
+                cluster.write_behind(conn.tenant, [keys[i] for i in new],
+                                     [sizes[i] for i in new])
 
     def _on_return(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
         pool.unlease(v[0], v[1], conn.id)
@@ -730,7 +777,7 @@ class Daemon:
         self._reply(conn, m.Leased, v[0], *self._lease(pool, conn))
 
     def _on_acquire(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes = v
+        rid, keys, sizes, local_only, budget_ms = v
         room = self.limits.max_pins_per_connection - conn.pins
         if room < len(keys):  # pin what fits: the keys after it miss
             self.refused["max_pins_per_connection"] += 1
@@ -738,6 +785,10 @@ class Daemon:
             sizes = None if sizes is None else sizes[:len(keys)]
         pins = pool.acquire(keys, sizes, conn.id)
         conn.pins += len(pins)
+        if (self.cluster is not None and not local_only and sizes is not None
+                and len(pins) < len(keys)):  # the rest from the home nodes, then answer
+            self.cluster.acquire(conn, conn.tenant, rid, keys, sizes, pins, budget_ms)
+            return
         self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
                     [p.size for p in pins])
 
@@ -745,7 +796,12 @@ class Daemon:
         conn.pins -= pool.release(v[0], conn.id)
 
     def _on_exists(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        self._reply(conn, m.Count, v[0], pool.exists(v[1], v[2]))
+        rid, keys, sizes, local_only, budget_ms = v
+        n = pool.exists(keys, sizes)
+        if self.cluster is not None and not local_only and n < len(keys):
+            self.cluster.exists(conn, conn.tenant, rid, keys, sizes, n, budget_ms)
+            return
+        self._reply(conn, m.Count, rid, n)
 
     def _lease(self, pool: Pool, conn: _Conn) -> tuple[int, int]:
         """A fresh lease for ``conn``: (offset, size), or (0, 0) when there is no room or
@@ -799,7 +855,11 @@ class Daemon:
             row["connections"] = t.connections
             row["quota_bytes"] = t.quota_bytes
             row["source"] = t.source
+            if self.cluster is not None:  # this tenant's lookups and writes there
+                row["tiers"] = {"cluster": self.cluster.tenant_tier(t)}
             out["tenants"][t.name] = row
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.report()
         return out
 
 

@@ -1,0 +1,363 @@
+"""ClusterClient: batches of GET/SET/STRLEN on a Valkey Cluster, one pipeline per node.
+
+A batch (:meth:`ClusterClient.run`) is grouped by the node that owns each key's slot;
+each node's group goes out as one pipelined write and its replies are read in order,
+all nodes in parallel (one thread per node, which alone uses that node's connection).
+A GET's value goes from the socket straight into the memory the caller gave for it
+(``ems.cluster.resp``); it counts as a hit only once its header (magic, size, key) and
+its XXH3-64 checksum are verified (``ems.cluster.value``). A SET sends the header and
+the caller's memory with ``sendmsg`` (gathered, never joined into one ``bytes``).
+
+One batch::
+
+    refresh the slot map (when stale; at most every refresh_s)
+      -> group by node (a node whose breaker is open: its keys miss, no I/O)
+      -> per node, in parallel: connect (if needed), send all, read all
+      -> MOVED: patch the slot map, retry on the new owner; ASK: retry there after
+         ASKING (at most max_redirects rounds)
+      -> per op: True (stored / verified hit) or False (miss, failure, past deadline)
+
+Timeouts: every connect, send and receive waits at most what is left of the batch's
+deadline (a connect at most ``connect_timeout_s``), so a dead or hung node makes its
+own keys miss by the deadline while the other nodes' keys hit. A failure drops that
+node's connection and counts against its breaker (``ems.cluster.topology``). Nothing
+here raises for a node's failure: the caller gets misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+from ems.cluster import value
+from ems.cluster.keys import hash_slot
+from ems.cluster.resp import ErrorReply, Reader, RespError, command, send_parts, set_parts
+from ems.cluster.topology import Addr, ClusterSettings, SlotMap
+
+__all__ = ["ClusterClient", "Op"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_NODES = 256
+
+
+class Op:
+    """One key of a batch: ``kind`` "get" (into ``target``), "set" (``parts``: header
+    and payload buffers), "len" (STRLEN equals ``size`` + header), "exists". ``ok`` is
+    the outcome."""
+
+    __slots__ = ("kind", "key", "slot", "target", "parts", "size", "ok", "moved", "ask")
+
+    def __init__(self, kind: str, key: bytes, *, target: Optional[memoryview] = None,
+                 parts: Sequence[Any] = (), size: int = 0) -> None:
+        self.kind = kind
+        self.key = key
+        self.slot = hash_slot(key)
+        self.target = target
+        self.parts = parts
+        self.size = size
+        self.ok = False
+        self.moved = False
+        self.ask: Optional[Addr] = None
+
+
+class _Conn:
+    __slots__ = ("sock", "reader")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = Reader(sock)
+
+
+class ClusterClient:
+    """See the module docstring. Thread-safe; :meth:`close` ends every connection."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.slots = SlotMap(settings)
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._executors: dict[Addr, ThreadPoolExecutor] = {}
+        self._conns: dict[Addr, _Conn] = {}  # each used only by its node's thread
+        self._ssl: Optional[ssl.SSLContext] = None
+        if settings.tls:
+            self._ssl = ssl.create_default_context(cafile=settings.ca_file)
+        self._closed = False
+        self.down_logged = False
+        #: MOVED and ASK answers followed (stats)
+        self.redirects = {"moved": 0, "ask": 0}
+
+    # ------------------------------------------------------------ batches
+    def run(self, ops: Sequence[Op], deadline: float) -> None:
+        """Run ``ops`` by ``deadline`` (``time.monotonic()``); sets each ``op.ok``."""
+        pending = list(ops)
+        for _ in range(self.settings.max_redirects + 1):
+            self._maybe_refresh(deadline)
+            groups: dict[tuple[Addr, bool], list[Op]] = {}
+            now = time.monotonic()
+            for op in pending:
+                addr = op.ask or self.slots.node_of(op.slot)
+                if addr is None or now >= deadline or not self.slots.usable(addr, now):
+                    op.ok = False
+                    continue
+                groups.setdefault((addr, op.ask is not None), []).append(op)
+                op.moved, op.ask, op.ok = False, None, False
+            if not groups:
+                break
+            futures = []
+            for (addr, asking), group in groups.items():
+                ex = self._executor(addr)
+                if ex is None:
+                    continue
+                futures.append(ex.submit(self._run_node, addr, group, deadline, asking))
+            for f in futures:
+                f.result()  # never raises; bounded by the socket timeouts
+            pending = [op for op in pending if op.moved or op.ask is not None]
+            if not pending:
+                break
+        for op in pending:  # out of redirect rounds
+            op.ok = False
+
+    def command(self, addr: Addr, *args: Any, timeout_s: float = 1.0) -> Any:
+        """One control command on a fresh connection (stats, tests); raises OSError."""
+        sock = self._connect(addr, time.monotonic() + timeout_s)
+        try:
+            sock.sendall(command(*args))
+            return Reader(sock).reply()
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------ one node
+    def _run_node(self, addr: Addr, ops: list[Op], deadline: float, asking: bool) -> None:
+        h = self.slots.health(addr)
+        try:
+            conn = self._conns.get(addr)
+            if conn is None:
+                conn = self._conns[addr] = _Conn(self._connect(addr, deadline))
+            sock, reader = conn.sock, conn.reader
+            _timeout(sock, deadline)
+            parts: list[Any] = []
+            asking_cmd = command("ASKING") if asking else b""
+            for op in ops:
+                if asking:
+                    parts.append(asking_cmd)
+                if op.kind == "get":
+                    parts.append(command("GET", op.key))
+                elif op.kind == "len":
+                    parts.append(command("STRLEN", op.key))
+                elif op.kind == "exists":
+                    parts.append(command("EXISTS", op.key))
+                else:
+                    parts.extend(set_parts(op.key, op.parts))
+            sent = send_parts(sock, parts) if self._ssl is None else _send_tls(sock, parts)
+            got = 0
+            for op in ops:
+                _timeout(sock, deadline)
+                if asking:
+                    reader.reply()  # +OK
+                got += self._read_reply(reader, op, addr)
+            h.ops += len(ops)
+            h.bytes_out += sent
+            h.bytes_in += got
+            self.slots.ok(addr)
+        except (OSError, RespError, ValueError) as exc:
+            for op in ops:
+                op.ok, op.moved, op.ask = False, False, None
+            self._drop(addr)
+            why = "timeout" if isinstance(exc, socket.timeout) else f"{type(exc).__name__}: {exc}"
+            self.slots.failed(addr, why)
+        except Exception:  # noqa: BLE001 - a bug: the node's keys miss, the daemon lives
+            logger.exception("ems cluster: internal error talking to %s:%d", *addr)
+            for op in ops:
+                op.ok = False
+            self._drop(addr)
+
+    def _read_reply(self, reader: Reader, op: Op, addr: Addr) -> int:
+        """Read ``op``'s reply; the bytes of value read."""
+        if op.kind == "get":
+            n, other = reader.head()
+            if n == -2:
+                self._error(op, other)
+                return 0
+            if n < 0:
+                return 0  # nil: not stored
+            if n != value.HEADER + op.size:  # another size, or not ours: a miss
+                reader.skip(n)
+                reader.crlf()
+                return n
+            head = bytearray(value.HEADER)
+            reader.read_into(memoryview(head))
+            assert op.target is not None
+            reader.read_into(op.target)
+            reader.crlf()
+            checksum = value.check_header(head, op.key, op.size)
+            op.ok = checksum is not None and value.digest(op.target) == checksum
+            if not op.ok:
+                logger.warning("ems cluster: a corrupt or foreign value under %r on %s:%d "
+                               "(a miss)", op.key[:80], *addr)
+            return n
+        reply = reader.reply()
+        if isinstance(reply, ErrorReply):
+            self._error(op, reply)
+        elif op.kind == "len":
+            op.ok = reply == value.HEADER + op.size
+        elif op.kind == "exists":
+            op.ok = reply == 1
+        else:
+            op.ok = reply == "OK"
+        return 0
+
+    def _error(self, op: Op, reply: Any) -> None:
+        text = str(reply)
+        kind, _, rest = text.partition(" ")
+        if kind in ("MOVED", "ASK"):
+            slot, _, target = rest.partition(" ")
+            host, _, port = target.rpartition(":")
+            if port.isdigit():
+                addr = (host or self.settings.seeds[0][0], int(port))
+                if kind == "MOVED":
+                    self.slots.moved(int(slot), addr)
+                    op.moved = True
+                    self.redirects["moved"] += 1
+                else:
+                    op.ask = addr
+                    self.redirects["ask"] += 1
+                return
+        op.ok = False
+        if kind not in ("CLUSTERDOWN", "TRYAGAIN", "LOADING", "OOM"):
+            logger.warning("ems cluster: %s on %r", text[:200], op.key[:80])
+
+    # ------------------------------------------------------------ topology
+    def _maybe_refresh(self, deadline: float) -> None:
+        """A stale slot map is refreshed in the background (requests go on with the
+        map they have, MOVED patches it); only without any map yet does a request
+        wait for the refresh (within its deadline)."""
+        s = self.slots
+        now = time.monotonic()
+        if not s.stale or now - s.refreshed_at < self.settings.refresh_s:
+            return
+        if not self._refresh_lock.acquire(blocking=False):
+            return  # another thread refreshes; use the map as it is
+        if s.loaded:
+            threading.Thread(target=self._refresh_in_background, daemon=True,
+                             name="ems-cluster-refresh").start()
+            return
+        try:
+            self.refresh(deadline)
+        finally:
+            self._refresh_lock.release()
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self.refresh(time.monotonic() + self.settings.op_timeout_s)
+        except Exception:  # noqa: BLE001 - the next stale request tries again
+            logger.exception("ems cluster: refreshing the slot map failed")
+        finally:
+            self._refresh_lock.release()
+
+    def refresh(self, deadline: float) -> bool:
+        """Load the slot map from the first node that answers ``CLUSTER SLOTS``."""
+        s = self.slots
+        candidates = [a for a in s.known() if s.usable(a, time.monotonic())]
+        candidates += [a for a in self.settings.seeds if a not in candidates]
+        for addr in candidates:
+            if time.monotonic() >= deadline:
+                break
+            try:
+                sock = self._connect(addr, deadline)
+                try:
+                    sock.sendall(command("CLUSTER", "SLOTS"))
+                    reply = Reader(sock).reply()
+                finally:
+                    sock.close()
+            except (OSError, RespError) as exc:
+                logger.debug("ems cluster: CLUSTER SLOTS from %s:%d failed: %s",
+                             addr[0], addr[1], exc)
+                continue
+            if isinstance(reply, list) and reply:
+                covered = s.load(reply)
+                if self.down_logged:
+                    logger.info("ems cluster: reachable again (%d slots covered)", covered)
+                    self.down_logged = False
+                return True
+        s.refreshed_at = time.monotonic()
+        if not self.down_logged:
+            logger.warning("ems cluster: no node answers; the local tier serves alone until "
+                           "one does")
+            self.down_logged = True
+        return False
+
+    # ------------------------------------------------------------ connections
+    def _executor(self, addr: Addr) -> Optional[ThreadPoolExecutor]:
+        with self._lock:
+            if self._closed:
+                return None
+            ex = self._executors.get(addr)
+            if ex is None:
+                if len(self._executors) >= _MAX_NODES:
+                    logger.warning("ems cluster: more than %d nodes; ignoring %s:%d",
+                                   _MAX_NODES, *addr)
+                    return None
+                ex = self._executors[addr] = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"ems-cluster-{addr[1]}")
+            return ex
+
+    def _connect(self, addr: Addr, deadline: float) -> socket.socket:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("the request's deadline passed before connecting")
+        sock = socket.create_connection(addr, timeout=min(remaining,
+                                                          self.settings.connect_timeout_s))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=addr[0])
+            if self.settings.password is not None:
+                args = ["AUTH"] + ([self.settings.username] if self.settings.username else [])
+                sock.sendall(command(*args, self.settings.password))
+                reply = Reader(sock, 4096).reply()
+                if reply != "OK":
+                    raise ConnectionRefusedError(f"AUTH refused by {addr[0]}:{addr[1]}: "
+                                                 f"{str(reply)[:80]}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _drop(self, addr: Addr) -> None:
+        conn = self._conns.pop(addr, None)
+        if conn is not None:
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            executors, self._executors = list(self._executors.values()), {}
+        for ex in executors:
+            ex.shutdown(wait=True)
+        for addr in list(self._conns):
+            self._drop(addr)
+
+
+def _timeout(sock: socket.socket, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise socket.timeout("past the request's deadline")
+    sock.settimeout(remaining)
+
+
+def _send_tls(sock: socket.socket, parts: Sequence[Any]) -> int:
+    """TLS sockets have no sendmsg: each part with sendall (still no join)."""
+    total = 0
+    for p in parts:
+        sock.sendall(p)
+        total += len(p)
+    return total

@@ -1,0 +1,111 @@
+"""``ems demo --hosts 2``: two simulated hosts on one Valkey Cluster.
+
+It starts a local 3-primary Valkey Cluster (``ems.cluster.launcher``, 127.0.0.1) and
+one ``ems-server --cluster`` per host, each with its own socket dir (its own local
+pool), then runs the ems pass as an instance on host 1, then one on host 2, ... (the
+``--instances`` workers, each pointed at its host's daemon). Host 1 computes and
+saves; host 2's local pool is empty, so its hits come through the cluster (and fill
+its read cache). Every instance's outputs are checked against the pass without ems;
+per host it prints the hit rate of each tier (local pool, cluster) from its daemon's
+counters. Everything it started is stopped at the end, also on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, TextIO
+
+import torch
+
+import ems
+from ems.demo import runner as r
+
+__all__ = ["run_hosts"]
+
+
+def _tiers(report: dict[str, Any]) -> dict[str, Any]:
+    local = report["tenants"]["(anonymous)"]
+    tier = report["cluster"]["tier"]
+    lh, lm = local["hits"], local["misses"]
+    return {"local_hits": lh, "local_misses": lm,
+            "local_hit_rate": lh / (lh + lm) if lh + lm else 0.0,
+            "cluster_hits": tier["hits"], "cluster_misses": tier["misses"],
+            "cluster_hit_rate": tier["hit_rate"], "cluster_bytes_in": tier["bytes_in"],
+            "cluster_bytes_out": tier["bytes_out"]}
+
+
+def run_hosts(settings: Any, args: argparse.Namespace, progress: bool, out: TextIO) -> int:
+    try:
+        from ems.cluster import launcher
+        from ems.testing import run_server
+        launcher.server_binary()
+    except Exception as exc:  # noqa: BLE001 - the message says what to install
+        print(f"ems demo: --hosts needs the cluster extra: {exc}", file=sys.stderr)
+        return 2
+    engine = r._engine(settings)
+    requests = r.make_workload(settings.workload, settings.model.vocab_size)
+    kv = r._kv_summary(settings, engine, requests)
+    kv.update(pool=f"one ems-server per host ({args.hosts}) + a local Valkey Cluster",
+              pool_capacity_bytes=None)
+    r._print_header(settings, kv, out)
+    plain = r._run_plain(engine, requests, r._Progress("without ems", len(requests), progress))
+    del engine
+    forwarded: list[str] = []
+    for dest in r._FORWARDED:
+        forwarded += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
+    forwarded.append("--progress" if progress else "--no-progress")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ems.__file__)))
+    report: dict[str, Any] = {"settings": vars(args), "kv": kv, "plain": r._pass_json(plain),
+                              "hosts": []}
+    ok = True
+    capacity = f"{max(64, 2 * kv['distinct_bytes'] >> 20)}M"  # every block fits each host
+    with tempfile.TemporaryDirectory(prefix="ems-demo-hosts-") as tmp, \
+            contextlib.ExitStack() as stack:
+        cluster = launcher.up(os.path.join(tmp, "valkey"), nodes=3)
+        stack.callback(cluster.stop)
+        print(f"cluster: {cluster.seed} (3 primaries on 127.0.0.1)", file=out)
+        servers = []
+        for h in range(args.hosts):
+            d = os.path.join(tmp, f"host{h + 1}")
+            os.makedirs(d)
+            servers.append(stack.enter_context(run_server(
+                d, capacity=capacity, extra_args=["--cluster", cluster.seed])))
+        for h, server in enumerate(servers):
+            env = dict(os.environ, **server.client_env())
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+            path = os.path.join(tmp, f"host{h + 1}.pt")
+            rc = subprocess.run([sys.executable, "-m", "ems.demo", *forwarded,
+                                 "--worker-out", path,
+                                 "--worker-label", f"host {h + 1}/{args.hosts}"],
+                                env=env, check=False).returncode
+            if rc != 0:
+                print(f"ems demo: the instance on host {h + 1} failed (exit {rc})",
+                      file=sys.stderr)
+                return 1
+            data = torch.load(path, weights_only=True)
+            cached = [r.RequestStats(**q, logits=lg)
+                      for q, lg in zip(data["requests"], data["logits"])]
+            cmp = r.compare(plain, cached, settings.atol)
+            ok = ok and cmp.ok
+            r._print_summary(f"[host {h + 1}] ", r._totals(plain), r._totals(cached),
+                             data["connector"], kv["block_bytes"], cmp, out)
+            tiers = _tiers(server.stats())
+            print(f"[host {h + 1}] tiers: local pool {100 * tiers['local_hit_rate']:.1f}% "
+                  f"hits ({tiers['local_hits']}/{tiers['local_hits'] + tiers['local_misses']} "
+                  f"lookups), cluster {100 * tiers['cluster_hit_rate']:.1f}% hits "
+                  f"({tiers['cluster_hits']}/{tiers['cluster_hits'] + tiers['cluster_misses']}"
+                  f" blocks), {tiers['cluster_bytes_in'] / 2**20:.1f} MiB in, "
+                  f"{tiers['cluster_bytes_out'] / 2**20:.1f} MiB out", file=out)
+            report["hosts"].append({"ems": r._pass_json(cached), "connector": data["connector"],
+                                    "tiers": tiers,
+                                    "comparison": dataclasses.asdict(cmp) | {"ok": cmp.ok}})
+    report["ok"] = ok
+    if args.json:
+        r._write_json(args.json, report)
+    return 0 if ok else 1

@@ -1,0 +1,33 @@
+"""`ems bench --systems cluster`: the cross-host rows run (structure, never speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_bench_quick_cross_host_rows(tmp_path):
+    pytest.importorskip("numpy")
+    pytest.importorskip("valkey")
+    import ems
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ems.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "ems.bench", "--quick", "--systems",
+                           "cluster", "--workloads", "v0", "--no-plot", "--no-progress",
+                           "--out", str(out)], capture_output=True, text=True, timeout=200,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert not data["problems"], data["problems"]
+    rows = {(r["system"], r["op"], r["value_bytes"]) for r in data["results"]}
+    sizes = {r["value_bytes"] for r in data["results"]}
+    for size in sizes:
+        for system in ("memcpy", "ems-cluster", "valkey-py"):
+            for op in ("save", "load"):
+                assert (system, op, size) in rows
