@@ -7,7 +7,8 @@
 #
 # vLLM pins ~150 packages (numpy, protobuf, pydantic, transformers ...), so it never
 # goes into the project's own environment. The venv is reused while the lock file's
-# sha256 equals the stamp file inside it ($VENV/.ems-lock-sha256); otherwise it is
+# sha256 (and the interpreter's version) equal the stamp file inside it
+# ($VENV/.ems-lock-sha256); otherwise it is
 # rebuilt from the lock with `pip install --no-deps -r LOCK` (no resolver, ~2 min).
 # ems itself is not installed into it: a .pth file puts this checkout's src/ on the
 # venv's path (rewritten on every call, so the venv always runs the tree it was
@@ -44,7 +45,8 @@ link_ems() {
   echo "$REPO/src" > "$site/ems-checkout.pth"
 }
 
-lock_sha() { sha256sum "$LOCK" | cut -d' ' -f1; }
+# The stamp: the lock's sha256 and the version of the interpreter the venv came from.
+lock_sha() { echo "$(sha256sum "$LOCK" | cut -d' ' -f1) python-$("$PY" -c 'import sys; print(sys.version.split()[0])')"; }
 
 if [ "$relock" = 0 ] && [ -f "$LOCK" ] && [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] \
    && [ "$(cat "$STAMP")" = "$(lock_sha)" ]; then
