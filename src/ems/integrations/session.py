@@ -28,9 +28,11 @@ registers their layout without memory), so that ``exists`` computes the same sto
 keys as the worker's saves. A mirror never replaces a real registration in the same
 process (this session skips it, and the SDK would keep the real one anyway).
 
-The lookup deadline is kept here, not trusted to the transport: ``exists`` runs on a
+The lookup deadline is kept here as well as given to the SDK: ``exists`` runs on a
 small pool of threads and the caller waits at most ``lookup_timeout_ms``; when every
-thread is stuck (a hung daemon) a lookup answers 0 without waiting.
+thread is stuck (a hung daemon) a lookup answers 0 without waiting. ``exists`` answers a
+pool failure with 0 rather than raising, so a 0 that took the whole deadline counts as
+the pool failing (a miss answers in well under a millisecond).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence
@@ -184,17 +187,24 @@ class PoolSession:
                 return 0  # every lookup thread waits on a hung pool
             self._lookups_busy += 1
         option = CcKvOption(timeout=timeout_ms)
+        t0 = time.monotonic()
         fut = self._lookups.submit(self._exists, cc, list(hashes), list(offsets), option)
         try:
-            return int(fut.result(timeout=timeout_ms / 1000.0).success)
+            hits = int(fut.result(timeout=timeout_ms / 1000.0).success)
         except FutureTimeout:
-            self._failed(EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
-                                      f"exists did not answer within {timeout_ms} ms"),
-                         "lookup")
-            return 0
+            hits, timed_out = 0, True
         except EmsException as exc:
             self._failed(exc, "lookup")
             return 0
+        else:
+            # ``exists`` answers a pool failure with 0 instead of raising; a miss takes
+            # well under a millisecond, so a 0 that took the whole deadline timed out
+            timed_out = hits == 0 and time.monotonic() - t0 >= 0.9 * timeout_ms / 1000.0
+        if timed_out:
+            self._failed(EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
+                                      f"exists did not answer within {timeout_ms} ms"),
+                         "lookup")
+        return hits
 
     def _exists(self, cc: Any, hashes: list[int], offsets: list[int],
                 option: CcKvOption) -> Any:
