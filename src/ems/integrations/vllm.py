@@ -1,0 +1,566 @@
+"""``EmsConnector``: the ems pool as the KV-cache tier of a vLLM engine (KV connector v1).
+
+    --kv-transfer-config '{"kv_connector": "EmsConnector",
+                           "kv_connector_module_path": "ems.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"pool": "server"}}'
+
+vLLM makes two instances: the SCHEDULER role (the engine-core process, no KV tensors)
+and the WORKER role (one per rank). They share only the metadata the scheduler builds
+each step (:class:`EmsConnectorMetadata`) and what the worker reports back.
+
+A request's life, as the connector sees it::
+
+    scheduler                                   worker (same step)
+    get_num_new_matched_tokens  -- exists(leading full prompt blocks) within
+        |                          lookup_timeout_ms; never the last prompt token
+    update_state_after_alloc    -- remember the hit (local blocks + pool blocks)
+    build_connector_meta        -- loads: pool blocks -> their allocated block ids
+        |                          saves: full prompt blocks computed by this step
+        |                          (every chunk of a chunked prefill)
+        +------ metadata ------> handle_preemptions: wait for saves of preempted reqs
+                                 start_load_kv: load, wait (SDK deadline); a miss or a
+                                                failure -> get_block_ids_with_load_errors
+                                                -> vLLM recomputes those tokens
+                                 (forward)
+                                 wait_for_save: submit the step's saves, return at once
+    request_finished            -- True when saves were planned: vLLM keeps the blocks
+        |                          until the worker reports the request in
+        +<-- finished_sending -- get_finished, once every save of it is done
+
+Block keys: the engine's own prefix-chained block hashes (``request.block_hashes``,
+sha256 over the parent hash, the block's tokens and its extra keys: LoRA, multimodal,
+cache salt), each hashed to 64 bits with blake2b. The scheduler computes them and
+sends them in the metadata, so the worker uses the very same numbers. With vLLM's
+default ``prefix_caching_hash_algo="sha256"`` they are the same in every process and
+every restart; a non-cryptographic algorithm without ``PYTHONHASHSEED`` makes them
+per-process (vLLM warns; the pool then never hits across instances).
+
+Layouts (``register_kv_caches``): vLLM's CPU pages (0.32 hands them over as
+``[num_blocks, kv_heads, block_size, 2*head_size]``, the attention views the same
+storage as ``[num_blocks, kv_heads, 2*block_size, head_size]``: a block's K rows then
+its V rows, per head) are viewed as the latter and registered as opaque pages of
+``block_size`` tokens; split K/V layouts (``[2, num_blocks, block_size, heads,
+head]``) as two paged tensors per layer; MLA ``[num_blocks, block_size, dim]`` as
+one. Only whole blocks ever move. The pool object of a block holds every layer of this
+rank, so loads and saves happen once per step, not per layer. TP and PP ranks keep
+separate keys (the SDK's ``CcConfig_v1``); with MLA all TP ranks share them and only
+TP rank 0 saves.
+
+The pool down, slow, full or refusing: see :mod:`ems.integrations.session`; every hook
+returns within its deadline and the engine serves without the cache meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ems.config import CcConfig_v1, EmsConfig, KVCacheType
+from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+from ems.integrations.session import PoolSession
+from ems.integrations.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorStatistics", "EmsConnector", "EmsConnectorMetadata",
+           "EmsConnectorStats"]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- metadata
+@dataclasses.dataclass
+class BlockTransfer:
+    """Blocks of one request to move: engine block ids and their 64-bit keys."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[int]
+
+
+@dataclasses.dataclass
+class EmsConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------- statistics
+_COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
+             "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
+             "save_s", "hooks_s", "failures")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorStatistics:
+    """Cumulative counters of one connector (role); ``statistics()`` returns one."""
+
+    lookups: int = 0
+    tokens_looked_up: int = 0
+    tokens_hit: int = 0
+    tokens_loaded: int = 0
+    tokens_load_failed: int = 0
+    tokens_saved: int = 0
+    tokens_save_failed: int = 0
+    lookup_s: float = 0.0  # the scheduler's lookups (on the request's critical path)
+    load_s: float = 0.0  # the worker's loads (the forward waits for them)
+    save_s: float = 0.0  # the saves (beside the engine, on the save thread)
+    hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
+    failures: int = 0  # pool failures (a call that got no cache)
+
+
+class EmsConnectorStats(KVConnectorStats):
+    """vLLM's connector stats hook: the counters of one interval, summed over ranks."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "EmsConnectorStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = {k: self.data.get(k, 0) for k in _COUNTERS}
+        looked = d["tokens_looked_up"]
+        d["hit_rate"] = round(d["tokens_hit"] / looked, 4) if looked else 0.0
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _COUNTERS)
+
+
+class _Counters:
+    """Thread-safe counters; ``interval()`` hands vLLM what changed since last time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)  # ints and seconds
+        self._interval: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                self._total[k] += v
+                self._interval[k] += v
+
+    def interval(self) -> dict[str, float]:
+        with self._lock:
+            out, self._interval = self._interval, dict.fromkeys(_COUNTERS, 0)
+        return {k: v for k, v in out.items() if v}
+
+    def snapshot(self) -> ConnectorStatistics:
+        with self._lock:
+            return ConnectorStatistics(**self._total)
+
+
+# ---------------------------------------------------------------- scheduler state
+@dataclasses.dataclass
+class _Plan:
+    """The scheduler's view of one request."""
+
+    request: Any
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)
+    local_blocks: int = 0  # leading blocks vLLM had (its prefix cache)
+    load_blocks: int = 0  # blocks after those to load from the pool (0: none)
+    load_planned: bool = False
+    saved_upto: int = -1  # blocks [0, saved_upto) need no save; -1: not set yet
+    has_saves: bool = False
+
+
+class EmsConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_sources(ktc.kv_connector_extra_config or {})
+        self.block_size = vllm_config.cache_config.block_size
+        hbs = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        if self.block_size % hbs:
+            raise ValueError(f"EmsConnector: block_size {self.block_size} is not a "
+                             f"multiple of the hash block size {hbs}")
+        self._hash_stride = self.block_size // hbs
+        self._counters = _Counters()
+        self._last_log = time.monotonic()
+        self._disabled = ""
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
+        from vllm.platforms import current_platform
+        self._on_cpu = current_platform.is_cpu()
+        self._spec: Any = groups[0].kv_cache_spec if len(groups) == 1 else None
+        if self._spec is None:
+            self._disabled = f"{len(groups)} KV cache groups (hybrid models: not supported)"
+        self._num_layers = len(groups[0].layer_names) if len(groups) == 1 else 0
+        self._is_mla = self._spec is not None and type(self._spec).__name__.startswith("MLA")
+        if (role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy == "fail"
+                and self.settings.load_failure_policy == "recompute"):
+            # vLLM reads the policy after building the connector: a pool miss or a
+            # failed load is recomputed, never a failed request.
+            ktc.kv_load_failure_policy = "recompute"
+        # kv_role: "kv_both" loads and saves; "kv_consumer" only loads, "kv_producer"
+        # only saves.
+        self._can_load = bool(ktc.is_kv_consumer)
+        self._can_save = bool(ktc.is_kv_producer)
+        self._tp_rank = 0
+        config = self._ems_config(vllm_config, role)
+        self._session = PoolSession.get(self.settings, config)
+        # scheduler
+        self._plans: dict[str, _Plan] = {}
+        # req_id -> (local blocks, pool hits, when asked)
+        self._lookups: dict[str, tuple[int, int, float]] = {}
+        # worker
+        self._load_errors: set[int] = set()
+        self._saves: dict[str, list[Future]] = {}
+        self._finishing: set[str] = set()
+        self._skip_saves = False
+        if self._disabled:
+            logger.warning("ems: EmsConnector disabled: %s", self._disabled)
+        elif role == KVConnectorRole.SCHEDULER:
+            self._register_mirror()
+        v1 = config.cc_config_v1
+        assert v1 is not None
+        logger.info("ems: EmsConnector (%s) for %s, block_size %d, keys of %s",
+                    role.name.lower(), v1.model_id, self.block_size, v1.llm_engine)
+
+    # ------------------------------------------------------------ setup
+    def _ems_config(self, vllm_config: "VllmConfig", role: KVConnectorRole) -> EmsConfig:
+        par = vllm_config.parallel_config
+        tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        rank = device = tp_rank = pp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed import parallel_state as ps
+            try:
+                tp_rank = ps.get_tensor_model_parallel_rank()
+                pp_rank = ps.get_pp_group().rank_in_group
+                rank = ps.get_world_group().rank
+                device = ps.get_world_group().local_rank
+            except (AssertionError, AttributeError):  # no process groups: one rank
+                pass
+        self._tp_rank = tp_rank
+        self._skip_saves = self._is_mla and tp_rank != 0
+        model = self.settings.model_id or vllm_config.model_config.served_model_name
+        if isinstance(model, (list, tuple)):
+            model = model[0]
+        v1 = CcConfig_v1(rank_id=rank, device_id=device, model_id=str(model),
+                         tp_world_size=tp, pp_world_size=pp, rank_in_tp_group=tp_rank,
+                         rank_in_pp_group=pp_rank, llm_engine=f"vllm@{self.settings.service}")
+        if self._is_mla:
+            v1.kvcache_type = KVCacheType.MLA
+        return EmsConfig(access_id=self.settings.access_id,
+                         access_key=self.settings.access_key, cc_config_v1=v1)
+
+    def _register_mirror(self) -> None:
+        shapes, page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
+        layer = [torch.empty((1, *s), dtype=self._spec.dtype, device="meta") for s in shapes]
+        self._session.register([list(layer) for _ in range(self._num_layers)], page,
+                               real=False)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._disabled:
+            return
+        layers, page = [], None
+        try:
+            for kv in kv_caches.values():
+                tensors, page = canonical_layer(kv, self.block_size, self._spec, self._on_cpu)
+                layers.append(tensors)
+        except ValueError as exc:
+            self._disable(str(exc))
+            return
+        want, want_page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
+        got = [tuple(t.shape[1:]) for t in layers[0]]
+        if (got != want or page != want_page or len(layers) != self._num_layers
+                or layers[0][0].dtype != self._spec.dtype):
+            self._disable(f"the worker's layout {got} x {len(layers)} layers "
+                          f"({layers[0][0].dtype}) is not the one the scheduler looks up "
+                          f"({want} x {self._num_layers}, {self._spec.dtype})")
+            return
+        self._device_is_cuda = layers[0][0].device.type == "cuda"
+        self._session.register(layers, page, real=True)
+        logger.info("ems: registered %d layers of %s pages %s", len(layers),
+                    "opaque" if page else "paged", got)
+
+    def _disable(self, why: str) -> None:
+        self._disabled = why
+        logger.warning("ems: EmsConnector disabled: %s", why)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    # ------------------------------------------------------------ scheduler side
+    def _hashes(self, plan: _Plan, n_blocks: int) -> list[int]:
+        have = len(plan.hashes)
+        if have < n_blocks:
+            bh = plan.request.block_hashes
+            s = self._hash_stride
+            for i in range(have, min(n_blocks, len(bh) // s)):
+                plan.hashes.append(key64(bh[(i + 1) * s - 1]))
+        return plan.hashes[:n_blocks]
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[Optional[int], bool]:
+        prompt = request.prompt_token_ids
+        if self._disabled or not prompt:
+            return 0, False
+        bs = self.block_size
+        last = (len(prompt) - 1) // bs  # full blocks before the last prompt token
+        first = num_computed_tokens // bs
+        plan = self._plans.setdefault(request.request_id, _Plan(request))
+        now = time.monotonic()
+        prev = self._lookups.get(request.request_id)
+        if prev is not None and prev[0] == first and \
+                now - prev[2] < self.settings.lookup_reuse_ms / 1000.0:
+            return prev[1] * bs, False  # asked again while waiting for blocks
+        hits = 0
+        if (self._can_load and last > first
+                and not getattr(request, "skip_reading_prefix_cache", False)):
+            t0 = time.perf_counter()
+            hashes = self._hashes(plan, last)[first:]
+            hits = self._session.lookup(hashes, [bs] * len(hashes)) if hashes else 0
+            if hits * bs < max(self.settings.min_load_tokens, 1):
+                hits = 0
+            self._counters.add(lookups=1, tokens_looked_up=len(hashes) * bs,
+                               tokens_hit=hits * bs, lookup_s=time.perf_counter() - t0)
+        # vLLM's own cache had ``first`` blocks: they need no save either
+        self._lookups[request.request_id] = (first, hits, now)
+        return hits * bs, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        plan = self._plans.setdefault(request.request_id, _Plan(request))
+        first, hits, _ = self._lookups.pop(
+            request.request_id, (request.num_computed_tokens // self.block_size, 0, 0.0))
+        n_load = num_external_tokens // self.block_size
+        plan.local_blocks = first
+        plan.load_blocks = min(n_load, hits) if num_external_tokens else 0
+        plan.load_planned = plan.load_blocks > 0
+        plan.saved_upto = max(plan.saved_upto, first + plan.load_blocks)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput"
+                             ) -> KVConnectorMetadata:
+        meta = EmsConnectorMetadata()
+        if self._disabled:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self._plans.get(new.req_id)
+            if plan is None:
+                continue
+            plan.block_ids = list(new.block_ids[0])
+            if plan.saved_upto < 0:
+                plan.saved_upto = new.num_computed_tokens // self.block_size
+            self._plan_load(plan, new.req_id, meta)
+            self._plan_saves(plan, new.req_id, new.num_computed_tokens + scheduled[new.req_id],
+                             meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self._plans.get(req_id)
+            if plan is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                plan.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                plan.block_ids.extend(new_ids[0])
+            self._plan_load(plan, req_id, meta)
+            self._plan_saves(plan, req_id, cached.num_computed_tokens[i] + scheduled[req_id],
+                             meta)
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        self._maybe_log("scheduler")
+        return meta
+
+    def _plan_load(self, plan: _Plan, req_id: str, meta: EmsConnectorMetadata) -> None:
+        if not plan.load_planned:
+            return
+        plan.load_planned = False
+        a, b = plan.local_blocks, plan.local_blocks + plan.load_blocks
+        meta.loads.append(BlockTransfer(req_id, plan.block_ids[a:b], self._hashes(plan, b)[a:]))
+
+    def _plan_saves(self, plan: _Plan, req_id: str, computed: int,
+                    meta: EmsConnectorMetadata) -> None:
+        if not self._can_save:
+            return
+        n_prompt = len(plan.request.prompt_token_ids or ())
+        done = min(computed, n_prompt) // self.block_size
+        done = min(done, len(plan.block_ids), len(self._hashes(plan, done)))
+        if done > plan.saved_upto:
+            a = plan.saved_upto
+            meta.saves.append(BlockTransfer(req_id, plan.block_ids[a:done],
+                                            self._hashes(plan, done)[a:]))
+            plan.saved_upto = done
+            plan.has_saves = True
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them again then (a
+        load fails when the pool hung or lost them; the next request should hit)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for plan in self._plans.values():
+            for i, block in enumerate(plan.block_ids[:plan.saved_upto]):
+                if block in invalid:
+                    plan.saved_upto = i
+                    break
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._lookups.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        # Saves were planned: the worker reports this request in finished_sending once
+        # they are done, and only then may vLLM reuse its blocks.
+        return bool(plan is not None and plan.has_saves), None
+
+    # ------------------------------------------------------------ worker side
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are freed at once: its saves must be done first.
+        for req_id in getattr(kv_connector_metadata, "preempted", ()):
+            for fut in self._saves.get(req_id, ()):
+                fut.result()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, EmsConnectorMetadata) or not meta.loads:
+            return
+        bs = self.block_size
+        t0 = time.perf_counter()
+        got = self._session.load([(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+                                  for t in meta.loads])
+        loaded = failed = 0
+        for t, n in zip(meta.loads, got):
+            loaded += n
+            if n < len(t.block_ids):
+                failed += len(t.block_ids) - n
+                self._load_errors.update(t.block_ids[n:])
+        self._counters.add(tokens_loaded=loaded * bs, tokens_load_failed=failed * bs,
+                           load_s=time.perf_counter() - t0)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer (one pool object per block)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save saves every layer of a block at once
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
+            return
+        if getattr(self, "_device_is_cuda", False):
+            torch.cuda.current_stream().synchronize()  # the forward's writes are done
+        bs = self.block_size
+        for t in meta.saves:
+            futs = self._saves.setdefault(t.req_id, [])
+            if self._skip_saves or self._disabled:
+                continue
+            fut = self._session.save(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+            if fut is None:
+                self._counters.add(tokens_save_failed=len(t.hashes) * bs)
+                continue
+            start, n = time.perf_counter(), len(t.hashes)
+            fut.add_done_callback(functools.partial(self._saved, start=start, n=n))
+            futs.append(fut)
+
+    def _saved(self, fut: Future, start: float, n: int) -> None:
+        ok = fut.result() if not fut.cancelled() else 0
+        bs = self.block_size
+        self._counters.add(tokens_saved=ok * bs, tokens_save_failed=(n - ok) * bs,
+                           save_s=time.perf_counter() - start)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        self._finishing.update(r for r in finished_req_ids if r in self._saves)
+        done = {r for r in self._finishing if all(f.done() for f in self._saves[r])}
+        for r in done:
+            self._finishing.discard(r)
+            del self._saves[r]
+        self._maybe_log("worker")
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def flush(self) -> None:
+        """Wait for every save submitted so far (each bounded by ``save_timeout_ms``)."""
+        for futs in list(self._saves.values()):
+            for fut in list(futs):
+                fut.result()
+
+    def shutdown(self) -> None:
+        self.flush()
+        self._maybe_log(self.role.name.lower(), force=True)
+        self._session.close()
+
+    # ------------------------------------------------------------ statistics
+    def statistics(self) -> ConnectorStatistics:
+        """This connector's cumulative counters (pool failures included)."""
+        snap = self._counters.snapshot()
+        return dataclasses.replace(snap, failures=self._session.failures)
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        data = self._counters.interval()
+        return EmsConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None
+                                 ) -> Optional[KVConnectorStats]:
+        return EmsConnectorStats(data=dict(data or {}))
+
+    def _maybe_log(self, role: str, force: bool = False) -> None:
+        every = self.settings.log_interval_s
+        now = time.monotonic()
+        if not force and (every <= 0 or now - self._last_log < every):
+            return
+        self._last_log = now
+        s = self.statistics()
+        logger.info("ems: %s: %d lookups, tokens looked up %d / hit %d / loaded %d "
+                    "(failed %d) / saved %d (failed %d), lookup %.3f s, load %.3f s, "
+                    "save %.3f s, in hooks %.3f s, pool %s, %d failures", role, s.lookups,
+                    s.tokens_looked_up, s.tokens_hit, s.tokens_loaded, s.tokens_load_failed,
+                    s.tokens_saved, s.tokens_save_failed, s.lookup_s, s.load_s, s.save_s,
+                    s.hooks_s,
+                    self._session.state.value, s.failures)
+
+
+def _timed(hook: Any) -> Any:
+    """Count the time the engine spends in ``hook`` (``hooks_s``: the connector's share of
+    the engine's critical path; the saves themselves run beside it)."""
+    @functools.wraps(hook)
+    def timed(self: EmsConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._counters.add(hooks_s=time.perf_counter() - t0)
+    return timed
+
+
+for _name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+              "build_connector_meta", "request_finished", "handle_preemptions",
+              "start_load_kv", "wait_for_save", "get_finished"):
+    setattr(EmsConnector, _name, _timed(getattr(EmsConnector, _name)))
+del _name

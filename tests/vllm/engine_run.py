@@ -1,0 +1,145 @@
+"""Run vLLM engines one after the other in THIS process, as a JSON spec says; write
+what they produced as JSON. Runs inside the vLLM venv (tests/vllm/test_vllm.py starts
+it as a subprocess with a timeout).
+
+    python engine_run.py SPEC.json OUT.json
+
+SPEC: {"engines": [{"name", "model", "connector": bool, "extra": {...},
+                    "max_tokens", "steps": [{"name", "prompts": [[ids]], "kill_pid"?}]}]}
+Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``pause_pid`` /
+``resume_pid`` SIGSTOPped / SIGCONTed (a hung pool), ``hang_before_load_pid``
+SIGSTOPped between the lookup and the load of the step (SIGCONTed after), ``wait_file`` is
+waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
+``signal_file`` is written (how the test restarts the pool between two steps).
+OUT: per engine, per step: the greedy tokens and ``num_cached_tokens`` of every
+prompt, and the connector's statistics (single-process mode only: in the default mode
+the connector lives in other processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import signal
+import sys
+import time
+
+
+def connector_stats(llm) -> dict:
+    out = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if has_kv_transfer_group():
+            worker = get_kv_transfer_group()
+            worker.flush()  # the saves of the requests just served
+            out["worker"] = dataclasses.asdict(worker.statistics())
+    except Exception as exc:  # noqa: BLE001 - a report, not a check
+        out["worker_error"] = repr(exc)
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        if sched.connector is not None:
+            out["scheduler"] = dataclasses.asdict(sched.connector.statistics())
+    except Exception as exc:  # noqa: BLE001
+        out["scheduler_error"] = repr(exc)
+    return out
+
+
+def hang_pool_before_load(pid: int):
+    """Fault injection with the real daemon: SIGSTOP it after the scheduler's lookup
+    found the blocks, just before the worker's first load of this step (a pool that
+    hangs between lookup and load; the load must time out and vLLM recompute)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    worker = get_kv_transfer_group()
+    original = worker.start_load_kv
+
+    def start_load_kv(forward_context, **kwargs):
+        meta = worker._connector_metadata
+        if getattr(meta, "loads", None):
+            os.kill(pid, signal.SIGSTOP)
+            worker.start_load_kv = original  # once
+        return original(forward_context, **kwargs)
+
+    worker.start_load_kv = start_load_kv
+
+    def undo():
+        worker.start_load_kv = original
+        os.kill(pid, signal.SIGCONT)
+    return undo
+
+
+def run_engine(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="EmsConnector", kv_connector_module_path="ems.integrations.vllm",
+            kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec.get("extra", {}))
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 2048), block_size=spec.get("block_size", 32),
+              enable_prefix_caching=True, seed=0,
+              kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+              skip_tokenizer_init=True, max_num_batched_tokens=spec.get("max_batched", 2048),
+              tensor_parallel_size=spec.get("tp", 1),
+              **kwargs)
+    result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2), "steps": []}
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),
+                        detokenize=False, ignore_eos=True)
+    for step in spec["steps"]:
+        for key, sig in (("kill_pid", signal.SIGKILL), ("pause_pid", signal.SIGSTOP),
+                         ("resume_pid", signal.SIGCONT)):
+            if step.get(key):
+                os.kill(int(step[key]), sig)
+        if step.get("wait_file"):
+            deadline = time.monotonic() + step.get("wait_s", 60)
+            while not os.path.exists(step["wait_file"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{step['wait_file']} did not appear")
+                time.sleep(0.05)
+        time.sleep(step.get("sleep_s", 0))
+        undo = hang_pool_before_load(int(step["hang_before_load_pid"])) \
+            if step.get("hang_before_load_pid") else None
+        t1 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp,
+                            use_tqdm=False) if step["prompts"] else []
+        result["steps"].append({
+            "name": step["name"], "s": round(time.perf_counter() - t1, 3),
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "stats": connector_stats(llm)})
+        if undo is not None:
+            undo()
+        if step.get("signal_file"):
+            with open(step["signal_file"], "w") as f:
+                f.write("done")
+    result["stats"] = connector_stats(llm)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
+    return result
+
+
+def main() -> None:
+    # ems logs under "ems" (a library configures no handlers); show them in this log
+    import logging
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("EMS %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("ems").addHandler(handler)
+    logging.getLogger("ems").setLevel(logging.INFO)
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = [run_engine(e) for e in spec["engines"]]
+    with open(out_path + ".tmp", "w") as f:
+        json.dump({"engines": results}, f)
+    os.replace(out_path + ".tmp", out_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""vLLM's cache layouts as ems registers them, and block keys (no vLLM needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+
+torch = pytest.importorskip("torch")
+
+BS, HEADS, HEAD = 32, 2, 64
+
+
+@dataclasses.dataclass
+class FullAttentionSpec:  # the fields EmsConnector reads from vLLM's spec
+    num_kv_heads: int = HEADS
+    head_size: int = HEAD
+
+
+class MLAAttentionSpec(FullAttentionSpec):
+    pass
+
+
+@pytest.mark.parametrize("shape", [(8, HEADS, BS, 2 * HEAD), (8, HEADS, 2 * BS, HEAD)])
+def test_cpu_pages_are_one_opaque_page_per_block(shape):
+    kv = torch.arange(8 * HEADS * 2 * BS * HEAD, dtype=torch.float32).reshape(shape)
+    tensors, page = canonical_layer(kv, BS, FullAttentionSpec(), on_cpu=True)
+    assert page == BS and len(tensors) == 1
+    t = tensors[0]
+    assert tuple(t.shape) == (8, HEADS, 2 * BS, HEAD)
+    assert t.data_ptr() == kv.data_ptr() and torch.equal(t[3].flatten(), kv[3].flatten())
+    want, want_page, mla = mirror_shapes(FullAttentionSpec(), BS, on_cpu=True)
+    assert [tuple(t.shape[1:])] == want and want_page == page and not mla
+
+
+def test_split_kv_layouts_are_two_paged_tensors():
+    spec = FullAttentionSpec()
+    want, page, _ = mirror_shapes(spec, BS, on_cpu=False)
+    for kv, k0 in ((torch.zeros(2, 8, BS, HEADS, HEAD), lambda kv: kv[0]),
+                   (torch.zeros(8, 2, BS, HEADS, HEAD), lambda kv: kv[:, 0])):
+        tensors, got_page = canonical_layer(kv, BS, spec, on_cpu=False)
+        assert got_page is None and page is None
+        assert [tuple(t.shape[1:]) for t in tensors] == want
+        assert tensors[0].data_ptr() == k0(kv).data_ptr()
+
+
+def test_mla_is_one_paged_tensor_and_says_so():
+    spec = MLAAttentionSpec(num_kv_heads=1, head_size=576)
+    tensors, page = canonical_layer(torch.zeros(8, BS, 576), BS, spec, on_cpu=False)
+    want, want_page, mla = mirror_shapes(spec, BS, on_cpu=False)
+    assert mla and page is None and want_page is None
+    assert [tuple(t.shape[1:]) for t in tensors] == want
+
+
+def test_unknown_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="unsupported KV cache layout"):
+        canonical_layer(torch.zeros(8, 3, BS, HEAD), BS, FullAttentionSpec(), on_cpu=False)
+
+
+def test_key64_is_stable_signed_64_bit_and_distinct():
+    a, b = key64(b"\x01" * 32), key64(b"\x02" * 32)
+    assert a == key64(b"\x01" * 32) and a != b
+    assert all(-(1 << 63) <= k < (1 << 63) for k in (a, b))
+    assert key64((1 << 64) - 1) == -1 and key64(5) == 5
+
+
+def test_block_slots_are_whole_blocks_in_order():
+    assert block_slots([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
