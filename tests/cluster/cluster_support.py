@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import time
 from typing import Any, Optional
 
-from ems import CcConfig, CcKvOption, KvBufferWrapper
+# the integration tests' helpers (their dir is put on sys.path by this dir's conftest)
+from client_worker import Value, pattern
+
+from ems import CcConfig, CcKvOption
 from ems.client.context_caching import ContextCaching
 from ems.client.remote import RemoteTransport
 
@@ -35,29 +35,6 @@ class Host:
         self.transport.close()
 
 
-def pattern(key: str, size: int) -> bytes:
-    """The value of ``key`` (a pure function of it: any host can check any key)."""
-    block = hashlib.blake2b(key.encode(), digest_size=64).digest()
-    return (block * (size // 64 + 1))[:size]
-
-
-class Value:
-    """A V0 value in two host buffers."""
-
-    def __init__(self, size: int, data: bytes = b"") -> None:
-        half = size // 2
-        self.parts = [ctypes.create_string_buffer(half), ctypes.create_string_buffer(size - half)]
-        if data:
-            ctypes.memmove(self.parts[0], data[:half], half)
-            ctypes.memmove(self.parts[1], data[half:], size - half)
-
-    def wrappers(self) -> list:
-        return [KvBufferWrapper(ctypes.addressof(p), len(p)) for p in self.parts]
-
-    def bytes(self) -> bytes:
-        return b"".join(p.raw for p in self.parts)
-
-
 def opt(**kw: Any) -> CcKvOption:
     kw.setdefault("timeout", 3000)
     return CcKvOption(**kw)
@@ -75,13 +52,3 @@ def load(host: Any, keys: list, size: int, option: Optional[CcKvOption] = None
     n = host.cc.load(option or opt(), keys, [v.wrappers() for v in values]).success
     wrong = sum(1 for k, v in zip(keys[:n], values) if v.bytes() != pattern(str(k), size))
     return n, wrong
-
-
-def wait_until(check: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)

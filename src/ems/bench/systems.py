@@ -103,15 +103,19 @@ class MemcpySystem(System):
         n, size = like.shape
         return self._store[: n * size].reshape(n, size)
 
+    def _run(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy one run (the kernel: numpy's ``copyto`` here)."""
+        np.copyto(dst, src)
+
     def save(self, keys: Sequence[str], src: np.ndarray) -> None:
         store = self._rows(src)
         for i in range(len(keys)):
-            np.copyto(store[i], src[i])
+            self._run(store[i], src[i])
 
     def load(self, keys: Sequence[str], dst: np.ndarray) -> None:
         store = self._rows(dst)
         for i in range(len(keys)):
-            np.copyto(dst[i], store[i])
+            self._run(dst[i], store[i])
 
     def copy(self, nbytes: int, src: np.ndarray) -> None:
         """One contiguous copy of ``nbytes`` (in chunks of ``src``), for V1's baseline."""
@@ -119,7 +123,7 @@ class MemcpySystem(System):
         done = 0
         while done < nbytes:
             k = min(flat.size, nbytes - done, self._store.size)
-            np.copyto(self._store[:k], flat[:k])
+            self._run(self._store[:k], flat[:k])
             done += k
 
     def close(self) -> None:
@@ -149,24 +153,6 @@ class LimitSystem(MemcpySystem):
 
     def _run(self, dst: np.ndarray, src: np.ndarray) -> None:
         self._copy(dst.ctypes.data, src.ctypes.data, src.nbytes)
-
-    def save(self, keys: Sequence[str], src: np.ndarray) -> None:
-        store = self._rows(src)
-        for i in range(len(keys)):
-            self._run(store[i], src[i])
-
-    def load(self, keys: Sequence[str], dst: np.ndarray) -> None:
-        store = self._rows(dst)
-        for i in range(len(keys)):
-            self._run(dst[i], store[i])
-
-    def copy(self, nbytes: int, src: np.ndarray) -> None:
-        flat = src.reshape(-1)
-        done = 0
-        while done < nbytes:
-            k = min(flat.size, nbytes - done, self._store.size)
-            self._copy(self._store.ctypes.data, flat.ctypes.data, k)
-            done += k
 
 
 LIMITS = ("copy-nt", "copy-glibc")
