@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 # the integration tests' helpers (their dir is put on sys.path by this dir's conftest)
 from client_worker import Value, pattern
+from itest_support import wait_for as wait_until  # noqa: F401 - used by the tests
 
 from ems import CcConfig, CcKvOption
 from ems.client.context_caching import ContextCaching
