@@ -185,11 +185,21 @@ def test_a_huge_batch_and_huge_keys_are_refused_without_stalling_others(make_ser
     pinger.start()
     try:
         time.sleep(0.1)
-        keys = [f"k{i}" for i in range(300_000)]
+        # Over the limits, within msgpack's decode bounds: refused, the connection lives.
         t0 = time.monotonic()
-        reply = raw.request([m.Acquire.TYPE, 1, keys, None])
+        reply = raw.request([m.Acquire.TYPE, 1, [f"k{i}" for i in range(5000)], None])
+        reply2 = raw.request([m.Reserve.TYPE, 2, ["x" * 2000], [64]])
         refused_s = time.monotonic() - t0
-        reply2 = raw.request([m.Reserve.TYPE, 2, ["x" * (1 << 20)], [64]])
+        # Far over them (300k keys, a 1 MiB key): decoding stops at the element's
+        # header, the connection is closed with the reason.
+        floods = []
+        for wire in ([m.Acquire.TYPE, 3, [f"k{i}" for i in range(300_000)], None],
+                     [m.Reserve.TYPE, 4, ["x" * (1 << 20)], [64]]):
+            flood = RawClient(server.socket_path)
+            t1 = time.monotonic()
+            floods.append((flood.request(wire), time.monotonic() - t1,
+                           flood.closed_by_daemon(2.0)))
+            flood.close()
         time.sleep(0.1)
     finally:
         stop.set()
@@ -197,14 +207,19 @@ def test_a_huge_batch_and_huge_keys_are_refused_without_stalling_others(make_ser
     for r, word in ((reply, "max_keys_per_request"), (reply2, "max_key_bytes")):
         assert isinstance(r, m.Error), r
         assert r.code == EmsErrorCode.EMS_INVALID_ARGUMENT.value and word in r.message
+    for r, _, closed in floods:
+        assert isinstance(r, m.Error) and r.code == EmsErrorCode.EMS_PROTOCOL_ERROR.value, r
+        assert "exceeds max_" in r.message and closed
     report = other.server_report()
     growth = rss_bytes(server.pid) - rss0
     figures.update(refused_after_ms=round(1000 * refused_s, 1),
+                   flood_closed_after_ms=[round(1000 * f[1], 1) for f in floods],
                    others_ping_max_ms=round(1000 * max(stalls), 1),
                    daemon_rss_growth_mib=round(growth / 2**20, 1),
                    refused=report["server"]["refused"])
     assert report["server"]["refused"]["max_keys_per_request"] == 1
     assert report["server"]["refused"]["max_key_bytes"] == 1
+    assert report["server"]["refused"]["decode_limits"] == 2
     assert anonymous_stats(server)["objects"] == 0
     assert max(stalls) < 0.3, max(stalls)  # 300k keys were handled inline: 0.5-1.3 s
     raw.close()

@@ -93,6 +93,10 @@ class FrameDecoder:
         #: largest body accepted; may be raised later (the daemon keeps it small
         #: until a connection has authenticated)
         self.max_frame_bytes = max_frame_bytes
+        #: msgpack's bounds on what a body may hold (``max_array_len``,
+        #: ``max_str_len``, ...): a body past them fails at the header of the element,
+        #: before it is built (a 1M-element list: 0.2 ms instead of ~60 ms of decoding)
+        self.unpack_limits: dict[str, int] = {}
         self._failed: Optional[EmsException] = None
 
     def feed(self, data: bytes) -> None:
@@ -174,7 +178,7 @@ class FrameDecoder:
         end = 8 + length
         if n < end:
             return NOTHING
-        obj = self._body(bytes(buf[8:end]))  # (bytes unpack faster than a memoryview)
+        obj = self._body(bytes(buf[8:end]), self.unpack_limits)  # (bytes: faster)
         if n == end:  # the usual case: one whole frame
             buf.clear()
         else:
@@ -182,9 +186,9 @@ class FrameDecoder:
         return obj
 
     @staticmethod
-    def _body(raw: bytes) -> Any:
+    def _body(raw: bytes, limits: dict[str, int]) -> Any:
         try:
-            return _unpackb(raw, raw=False, strict_map_key=True)
+            return _unpackb(raw, raw=False, strict_map_key=True, **limits)
         except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
             raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
 

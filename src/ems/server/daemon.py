@@ -163,6 +163,14 @@ class Daemon:
         #: refusals by limit name (``ems stats``: server.refused)
         self.refused: collections.Counter = collections.Counter()
         self._buffered = 0  # bytes of partial frames of every connection
+        # Decoding is bounded too: a frame within max_frame_bytes may hold millions of
+        # tiny elements (~60 ms of the loop per 1M); past 4x the request limits msgpack
+        # stops at the element's header and the connection is closed, between them the
+        # request is refused (EMS_INVALID_ARGUMENT) after a decode of a few ms.
+        limits = config.limits
+        self._unpack_limits = {"max_array_len": 4 * limits.max_keys_per_request + 16,
+                               "max_str_len": 4 * limits.max_key_bytes,
+                               "max_bin_len": 4096, "max_map_len": 64, "max_ext_len": 0}
         self._per_uid: collections.Counter = collections.Counter()
         self._listen_paused_until = 0.0  # fd pressure: not polling the listener until
         self._backoff_s = _BACKOFF_MIN_S
@@ -505,6 +513,8 @@ class Daemon:
                                    f"({self.limits.max_buffered_bytes}); this connection's "
                                    f"{held} bytes are dropped")
         except EmsException as exc:
+            if "exceeds max_" in exc.message():  # msgpack's decode bound (_unpack_limits)
+                self.refused["decode_limits"] += 1
             self._fail(conn, exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the daemon
             logger.exception("ems-server: internal error on %s", conn)
@@ -659,6 +669,7 @@ class Daemon:
             return
         conn.phase = _Phase.READY
         conn.decoder.max_frame_bytes = min(MAX_FRAME_BYTES, self.limits.max_frame_bytes)
+        conn.decoder.unpack_limits = self._unpack_limits
         server = f"ems-server pid {os.getpid()} protocol {PROTOCOL_VERSION}"
         ttl = self.config.reservation_ttl_s
         max_keys = self.limits.max_keys_per_request
