@@ -649,3 +649,24 @@ def test_a_pool_of_odd_capacity(copy_path, monkeypatch, v1):
     assert cc.save(blocks_slots([0, 1]), [1, 2], [BS, BS]).success == 2
     assert cc.load(blocks_slots([5, 6]), [1, 2], [BS, BS]).success == 2
     assert all(same_bits(t[5:7], w) for t, w in zip(all_tensors(caches), want))
+
+
+def test_exists_warns_once_per_outage(v1, monkeypatch, caplog):
+    import logging
+
+    cc = v1(mha_4d())
+    real = cc._transport.exists
+
+    def broken(*args, **kwargs):
+        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "pool down")
+
+    monkeypatch.setattr(cc._transport, "exists", broken)
+    with caplog.at_level(logging.WARNING, logger="ems.client.context_caching"):
+        for _ in range(50):  # a scheduler asks every step
+            assert cc.exists([1]) == CcResult(0, 1)
+        monkeypatch.setattr(cc._transport, "exists", real)
+        assert cc.exists([1]) == CcResult(0, 1)  # back: a plain miss
+        monkeypatch.setattr(cc._transport, "exists", broken)
+        cc.exists([1])  # a new outage warns again
+    warnings = [r for r in caplog.records if "exists failed" in r.getMessage()]
+    assert len(warnings) == 2

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -47,6 +48,8 @@ __all__ = ["ContextCaching", "ContextCache_v1"]
 logger = logging.getLogger(__name__)
 
 _V1_WORDS = ("slot_mapping", "hashes", "offsets", "chunk_descs")
+#: During an outage, ``exists`` warns at most this often.
+_EXISTS_WARN_S = 10.0
 
 
 class ContextCaching:
@@ -68,6 +71,8 @@ class ContextCaching:
         self._idle = threading.Condition(self._lock)
         self._inline = 0  # synchronous calls running in their callers' threads
         self._closed = False
+        self._exists_failures = 0  # in a row (their warning is rate-limited)
+        self._exists_warned_at = 0.0
 
     # ------------------------------------------------------------------ V1 setup
     def register_kvcache(self, kv_caches: Any, store_layer_group_desc: Any = None,
@@ -156,12 +161,24 @@ class ContextCaching:
         try:
             n = self._transport.exists([prefix + str(h) for h in hs], sizes, option)
         except EmsException as exc:
-            logger.warning("ems: exists failed, answering 0: %s", exc)
+            self._exists_failed(exc)
             n = 0
         except Exception:  # noqa: BLE001 - exists never raises for pool failures
             logger.exception("ems: exists failed, answering 0")
             n = 0
+        else:
+            self._exists_failures = 0
         return CcResult(n, len(hs))
+
+    def _exists_failed(self, exc: EmsException) -> None:
+        """One warning per outage (a scheduler asks every step; the first failure after
+        a success warns, then at most one line per :data:`_EXISTS_WARN_S` with the count)."""
+        self._exists_failures += 1
+        now = time.monotonic()
+        if self._exists_failures == 1 or now - self._exists_warned_at >= _EXISTS_WARN_S:
+            logger.warning("ems: exists failed, answering 0 (%d failure(s) in a row): %s",
+                           self._exists_failures, exc)
+            self._exists_warned_at = now
 
     def is_ready(self, future: CcFuture) -> bool:
         """Non-blocking: True once ``get_result(future)`` would not block."""
