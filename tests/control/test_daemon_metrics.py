@@ -6,7 +6,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from control_support import free_port, wait_for
+from control_support import connect_when_registered, free_port
 from itest_support import transport_load, transport_save
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,12 +43,7 @@ def test_metrics_of_a_controlled_daemon(control, daemons):
                                                 "issue_key": True})
     key = t["key"]["access_key"]
 
-    def connect():
-        try:
-            return RemoteTransport.connect(server.socket_path, "team-m", key, 3.0)
-        except Exception:  # noqa: BLE001 - not in the registry yet
-            return None
-    tr = wait_for(connect, 5.0, "the tenant")
+    tr = connect_when_registered(server, "team-m", key)
     try:
         keys = storage([f"m{i}" for i in range(4)])
         assert transport_save(tr, keys, SIZE) == 4

@@ -12,10 +12,9 @@ import signal
 import subprocess
 
 import pytest
-from control_support import wait_for
+from control_support import connect_when_registered, wait_for
 from itest_support import transport_load, transport_save
 
-from ems.client.remote import RemoteTransport
 from ems.keys import v0_storage_keys as storage
 
 pytestmark = pytest.mark.integration
@@ -88,12 +87,7 @@ def test_status_page_renders_the_reported_numbers(tmp_path, control, daemons):
     key = t["key"]["access_key"]
     control.call("POST", "/v1/tenants", {"access_id": "team-b", "quota": "8M"})
 
-    def connect():
-        try:
-            return RemoteTransport.connect(server.socket_path, "team-a", key, 3.0)
-        except Exception:  # noqa: BLE001 - not in the registry yet
-            return None
-    tr = wait_for(connect, 5.0, "the tenant")
+    tr = connect_when_registered(server, "team-a", key)
     try:
         keys = storage([f"s{i}" for i in range(6)])
         assert transport_save(tr, keys, SIZE) == 6

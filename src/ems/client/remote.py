@@ -102,6 +102,16 @@ _NEW = GrantStatus.NEW
 _PUT, _ACQUIRE = m.Put.TYPE, m.Acquire.TYPE
 
 
+def _joined(replies: list) -> Any:
+    """The replies of a sliced batch (``Granted`` or ``Pinned``) as one: the rid of the
+    first, every list field concatenated in order."""
+    if len(replies) == 1:
+        return replies[0]
+    first = replies[0]
+    return type(first)(first.rid, *([x for r in replies for x in getattr(r, name)]
+                                   for name in first._NAMES[1:]))
+
+
 def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) -> Any:
     return make(rid, lo, hi)
 
@@ -360,9 +370,7 @@ class RemoteTransport(Transport):
             len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi],
                                                      write_rcache),
             m.Granted, task, lambda r, n: len(r.statuses) == n, undo, spin)
-        reply = replies[0] if len(replies) == 1 else m.Granted(
-            replies[0].rid, *([x for r in replies for x in getattr(r, f)]
-                              for f in ("statuses", "tokens", "offsets", "sizes")))
+        reply = _joined(replies)
         if len(reply.statuses) != len(keys):
             undo(session, replies)
             raise _bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
@@ -461,9 +469,7 @@ class RemoteTransport(Transport):
                 len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi],
                                                 local_only, _budget_ms(task)],
                 m.Pinned, task, lambda r, n: len(r.tokens) == n, release, spin)
-            reply = replies[0] if len(replies) == 1 else m.Pinned(
-                replies[0].rid, *([x for r in replies for x in getattr(r, f)]
-                                  for f in ("tokens", "offsets", "sizes")))
+            reply = _joined(replies)
         if len(reply.tokens) > len(keys):
             self._post_list(session, reply.tokens, m.Release)
             raise _bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(keys)} keys")

@@ -451,9 +451,8 @@ class _Session:
                 if sent == total:
                     return
                 remaining = deadline - _monotonic()
-                if remaining > 0 and wait(math.ceil(remaining * 1000)):
-                    continue
-                if remaining > 0:  # (poll woke early: go on waiting)
+                if remaining > 0:  # wait for room (or the deadline), then try again
+                    wait(math.ceil(remaining * 1000))
                     continue
                 if sent:
                     self.fail(_io_error(f"a send to ems-server ran out of time after {sent} "

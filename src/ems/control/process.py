@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
 from ems.control.client import http_json
+from ems.testing.server import terminate
 
 __all__ = ["ControlProcess", "run_control"]
 
@@ -77,17 +77,11 @@ class ControlProcess:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        code = terminate(proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
-        return proc.returncode
+        return code
 
     @property
     def running(self) -> bool:

@@ -13,9 +13,22 @@ import tempfile
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-__all__ = ["ServerProcess", "run_server"]
+__all__ = ["ServerProcess", "run_server", "terminate"]
 
 _SOCK_PATH_MAX = 100  # unix socket paths are limited to 107 bytes
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """Stop a child by its PID: SIGTERM, then SIGKILL if it has not exited after
+    ``timeout_s``; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 class ServerProcess:
@@ -76,15 +89,9 @@ class ServerProcess:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        code = terminate(proc, timeout_s)
         self._close_log()
-        return proc.returncode
+        return code
 
     def kill(self) -> None:
         """SIGKILL (a crash: the socket file stays behind, stale)."""
