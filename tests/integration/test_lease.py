@@ -16,7 +16,8 @@ from itest_support import anonymous_stats, anonymous_stats_when, wait_for
 
 from ems import CcKvOption, Ems, EmsErrorCode, EmsException
 from ems.client import copy as _copy
-from ems.client.remote import RemoteTransport, _Session
+from ems.client.remote import RemoteTransport
+from ems.client.session import Session
 from ems.futures import Task
 from ems.keys import v0_storage_keys
 from ems.protocol import messages as m
@@ -154,8 +155,8 @@ def test_an_aborted_lease_save_gives_its_range_back(cc, server, monkeypatch):
     assert stats.objects == 1 and stats.leased_bytes == LEASE - 2 * 4096
 
 
-def _raw_session(server) -> _Session:
-    return _Session.open(server.socket_path, None, None, 3.0, gen=1)
+def _raw_session(server) -> Session:
+    return Session.open(server.socket_path, None, None, 3.0, gen=1)
 
 
 @pytest.mark.parametrize("where", ["no-lease", "outside", "overlap"])

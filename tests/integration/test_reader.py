@@ -14,6 +14,7 @@ from client_worker import pattern
 from itest_support import anonymous_stats, transport_load, transport_save, wait_for
 
 from ems.client.remote import RemoteTransport
+from ems.client.session import Timeout
 from ems.protocol import messages as m
 
 pytestmark = pytest.mark.integration
@@ -48,7 +49,7 @@ def test_many_threads_share_one_connection_and_get_their_own_replies(server):
         assert not any(th.is_alive() for th in threads)
         assert errors == []
         session = transport._session
-        assert session is not None and not session._pending and not session._reading
+        assert session is not None and session.outstanding() == (0, 0, False)
         wait_for(lambda: anonymous_stats(server)["pinned"] == 0, 5.0, "pins released")
         assert anonymous_stats(server)["objects"] == n_threads * rounds
     finally:
@@ -66,7 +67,7 @@ def test_timed_out_waiters_hand_the_socket_on(server):
         def wait(name: str, wait_s: float) -> None:
             try:
                 results[name] = session.request(lambda rid: m.Ping(rid), wait_s)
-            except socket.timeout:
+            except Timeout:
                 results[name] = "timeout"
 
         # The first leads and gives up early; the second (a follower) must then take
@@ -82,7 +83,7 @@ def test_timed_out_waiters_hand_the_socket_on(server):
         long.join(5)
         assert isinstance(results.get("long"), m.Pong)
         # the late Pong of the short wait was read and dropped by someone
-        wait_for(lambda: not session._orphans, 5.0, "late reply read")
+        wait_for(lambda: session.outstanding()[1] == 0, 5.0, "late reply read")
         assert session.request(lambda rid: m.Ping(rid), 1.0) == m.Pong(4)
     finally:
         server.resume()

@@ -23,7 +23,7 @@ of them is ever sent on another connection. Batches go in slices of the daemon's
 Concurrency: one connection per process, shared by every worker thread. Requests
 carry ids; the thread that waits for a reply reads the socket itself when no other
 thread does, and routes the replies it reads to the threads that wait for them
-(leader/follower, see :class:`_Session`).
+(leader/follower, see :class:`Session`).
 
 Deadlines: a request waits at most ``Task.remaining_s()`` for its reply, then raises
 ``EMS_IO_TIMEOUT``; a reply that arrives later is undone here (its pins released, its
@@ -59,31 +59,28 @@ first use (and maps the tenant's memory again through it).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from ems.client.session import (
-    _ALIGN,
     LIVENESS_S,
-    _bad_reply,
-    _io_error,
-    _Session,
-    fresh,
+    Session,
+    Timeout,
+    bad_reply,
+    io_error,
 )
 from ems.client.transport import GrantStatus, Slot, Transport, two_phase_save
 from ems.config import CcKvOption
 from ems.errors import EmsErrorCode, EmsException
 from ems.futures import Cancelled, Task
 from ems.keys import Request
-from ems.pool.core import PoolStatistics
 from ems.protocol import messages as m
+from ems.protocol.report import PoolStatistics, pool_statistics
 
 __all__ = ["LIVENESS_S", "RemoteTransport", "server_report"]
 
@@ -95,11 +92,9 @@ HEALTH_TIMEOUT_S = 1.0
 CONTROL_TIMEOUT_S = 5.0
 #: Share of the daemon's reservation TTL a save may spend copying.
 _TTL_SHARE = 0.8
-#: After the daemon had no room for a lease, small saves go the usual way this long.
-_LEASE_RETRY_S = 1.0
 _NEW = GrantStatus.NEW
-#: The hot requests go out in their wire form (``[TYPE, fields...]``), no object built.
-_PUT, _ACQUIRE = m.Put.TYPE, m.Acquire.TYPE
+#: The hot requests go out in their wire form, built by name (``Cls.wire``): no object.
+_put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
 
 
 def _joined(replies: list) -> Any:
@@ -108,8 +103,8 @@ def _joined(replies: list) -> Any:
     if len(replies) == 1:
         return replies[0]
     first = replies[0]
-    return type(first)(first.rid, *([x for r in replies for x in getattr(r, name)]
-                                   for name in first._NAMES[1:]))
+    return type(first)(rid=first.rid, **{name: [x for r in replies for x in getattr(r, name)]
+                                         for name in first._NAMES[1:]})
 
 
 def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) -> Any:
@@ -141,14 +136,14 @@ class RemoteTransport(Transport):
     kind = "server"
 
     def __init__(self, path: str, access_id: Optional[str], access_key: Optional[str],
-                 connect_timeout_s: float, session: _Session, spin_s: float = 0.0) -> None:
+                 connect_timeout_s: float, session: Session, spin_s: float = 0.0) -> None:
         self.path = path
         #: synchronous calls poll this long for a reply before sleeping (EMS_SPIN_US)
         self.spin_s = spin_s
         self._access_id = access_id
         self._access_key = access_key
         self._connect_timeout_s = connect_timeout_s
-        self._session: Optional[_Session] = session
+        self._session: Optional[Session] = session
         self._gen = session.gen
         self._reconnect_lock = threading.Lock()
         self._closed = False
@@ -160,30 +155,30 @@ class RemoteTransport(Transport):
         """Connect and authenticate within ``timeout_s``; raises ``EMS_RECOVERD_ERROR``
         (no daemon answers yet), ``EMS_AUTH_FAILED``, ``EMS_IO_ERROR`` or
         ``EMS_PROTOCOL_ERROR``."""
-        session = _Session.open(sock_path, access_id, access_key, timeout_s, gen=1)
+        session = Session.open(sock_path, access_id, access_key, timeout_s, gen=1)
         return cls(sock_path, access_id, access_key, timeout_s, session, spin_s)
 
     # ------------------------------------------------------------ sessions
-    def _live(self, timeout_s: float) -> _Session:
+    def _live(self, timeout_s: float) -> Session:
         """The current connection, reconnecting (within ``timeout_s``) if it broke."""
         session = self._session
         if session is not None and session.broken is None:
             return session
         self._check_open()
         if not self._reconnect_lock.acquire(timeout=max(timeout_s, 0.0)):
-            raise _io_error("ems-server is unreachable (reconnecting)")
+            raise io_error("ems-server is unreachable (reconnecting)")
         try:
             self._check_open()
             session = self._session
             if session is not None and session.broken is None:
                 return session
             try:
-                session = _Session.open(self.path, self._access_id, self._access_key,
+                session = Session.open(self.path, self._access_id, self._access_key,
                                         min(timeout_s, self._connect_timeout_s), self._gen + 1)
             except EmsException as exc:
                 if exc.status_code() is EmsErrorCode.EMS_AUTH_FAILED:
                     raise
-                raise _io_error(f"ems-server is unreachable: {exc.message()}") from exc
+                raise io_error(f"ems-server is unreachable: {exc.message()}") from exc
             self._gen = session.gen
             old, self._session = self._session, session
             if old is not None and old.segment is not None:
@@ -199,8 +194,8 @@ class RemoteTransport(Transport):
                                "the ems-server client was closed (Ems.finalize)")
 
     def _call(self, msg_for: Callable[[int], Any], task: Optional[Task],
-              session: Optional[_Session] = None, spin: bool = False
-              ) -> tuple[_Session, m.Message]:
+              session: Optional[Session] = None, spin: bool = False
+              ) -> tuple[Session, m.Message]:
         """One request within the task's deadline (or the default bounds), polling for
         the reply first when ``spin`` (a synchronous call: ``EMS_SPIN_US``)."""
         if self._closed:
@@ -225,17 +220,18 @@ class RemoteTransport(Transport):
                 wait_s = max(0.0, wait_s - (time.monotonic() - start))
         try:
             reply = session.request(msg_for, wait_s, spin_s)
-        except socket.timeout:
+        except Timeout:
             if not bounded:
-                session.fail(_io_error(f"ems-server did not answer within {LIVENESS_S:.0f} s"))
-                raise fresh(session.broken) from None  # type: ignore[arg-type]
+                exc = io_error(f"ems-server did not answer within {LIVENESS_S:.0f} s")
+                session.fail(exc)
+                raise exc from None
             what = task.what if task is not None else "the request"
             raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                                f"ems-server did not answer {what} within "
                                f"{wait_s * 1000:.0f} ms") from None
         return session, reply
 
-    def _ready(self, task: Optional[Task]) -> _Session:
+    def _ready(self, task: Optional[Task]) -> Session:
         """The live connection for a batch of several requests (reconnecting within the
         task's time when it broke)."""
         session = self._session
@@ -253,8 +249,8 @@ class RemoteTransport(Transport):
 
     def _sliced(self, n: int, make: Callable[[int, int, int], Any], cls: type,
                 task: Optional[Task], more: Callable[[Any, int], bool],
-                undo: Callable[[_Session, list], None], spin: bool = False
-                ) -> tuple[_Session, list]:
+                undo: Callable[[Session, list], None], spin: bool = False
+                ) -> tuple[Session, list]:
         """A batch of ``n`` entries as requests of at most the daemon's ``max_keys``
         entries each (``Limits.max_keys_per_request``), in order on one connection:
         ``make(rid, lo, hi)`` builds slice ``[lo, hi)``; ``more(reply, hi - lo)`` says
@@ -265,10 +261,10 @@ class RemoteTransport(Transport):
         try:
             while True:
                 hi = min(n, lo + step)
-                _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task, session,
-                                      spin)
+                _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task,
+                                      session, spin)
                 if type(reply) is not cls:
-                    raise _bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
+                    raise bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
                 replies.append(reply)
                 if hi >= n or not more(reply, hi - lo):
                     return session, replies
@@ -284,7 +280,7 @@ class RemoteTransport(Transport):
         asking for a lease when it is short; the others, and small ones when no lease
         can be had, as :func:`two_phase_save` (Reserve, copy, Commit)."""
         session = self._ready(task)
-        if session.segment is not None and session.fits_lease(req.sizes):
+        if session.lease.fits(req.sizes):
             stored = self._save_leased(session, req, task, spin)
             if stored is not None:
                 return stored
@@ -293,21 +289,22 @@ class RemoteTransport(Transport):
                               functools.partial(self._reserve, spin=spin, write_rcache=wrc),
                               functools.partial(self._commit, spin=spin), self._abort)
 
-    def _save_leased(self, session: _Session, req: Request, task: Task, spin: bool
+    def _save_leased(self, session: Session, req: Request, task: Task, spin: bool
                      ) -> Optional[list[bool]]:
         """Per key whether it is stored; None when no lease can be had now."""
-        cut = session.take_ranges(req.sizes, want=True)
+        lease = session.lease
+        cut = lease.take(req.sizes)
         if cut is None:  # short: a fresh lease (one round trip), unless refused lately
-            if time.monotonic() < session.lease_refused_until:
+            if lease.refused(time.monotonic()):
                 return None
-            _, reply = self._call(lambda rid: m.Lease(rid), task, session, spin)
+            _, reply = self._call(lambda rid: m.Lease(rid=rid), task, session, spin)
             if not isinstance(reply, m.Leased):
-                raise _bad_reply(f"{type(reply).__name__} for a Lease")
+                raise bad_reply(f"{type(reply).__name__} for a Lease")
             if not reply.size:
-                session.lease_refused_until = time.monotonic() + _LEASE_RETRY_S
+                lease.refuse(time.monotonic())
                 return None
             self._install(session, reply.offset, reply.size)
-            cut = session.take_ranges(req.sizes, want=True)
+            cut = lease.take(req.sizes)
             if cut is None:  # other threads used it up first
                 return None
         offsets, want = cut
@@ -320,60 +317,67 @@ class RemoteTransport(Transport):
                 raise Cancelled
         except BaseException:
             if want:
-                session.lease_asked = False
-            session.post(m.Return(list(offsets), sizes))
+                lease.asked_done()
+            session.post(m.Return(offsets=list(offsets), sizes=sizes))
             raise
         return self._put(session, list(req.keys), offsets, sizes, want, task, spin,
                          _write_rcache(req.option))
 
-    def _put(self, session: _Session, keys: list[str], offsets: list[int], sizes: list[int],
+    def _put(self, session: Session, keys: list[str], offsets: list[int], sizes: list[int],
              want: bool, task: Task, spin: bool, write_rcache: bool = True) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
-            _, reply = self._call(lambda rid: [_PUT, rid, keys, offsets, sizes, want,
-                                               write_rcache, _budget_ms(task)],
-                                  task, session, spin)
+            _, reply = self._call(
+                lambda rid: _put_wire(rid=rid, keys=keys, offsets=offsets, sizes=sizes,
+                                      want_lease=want, write_rcache=write_rcache,
+                                      budget_ms=_budget_ms(task)),
+                task, session, spin)
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
             # carved already (and is ignored).
-            session.post(m.Return(offsets, sizes))
+            session.post(m.Return(offsets=offsets, sizes=sizes))
             raise
         finally:
             if want:
-                session.lease_asked = False
+                session.lease.asked_done()
         if not isinstance(reply, m.Stored) or len(reply.ok) != len(keys):
-            raise _bad_reply(f"{type(reply).__name__} for a Put of {len(keys)} keys")
+            raise bad_reply(f"{type(reply).__name__} for a Put of {len(keys)} keys")
         if reply.lease_size:
             self._install(session, reply.lease_offset, reply.lease_size)
         return list(reply.ok)
 
     @staticmethod
-    def _install(session: _Session, offset: int, size: int) -> None:
+    def _install(session: Session, offset: int, size: int) -> None:
         segment = session.segment
-        if segment is None or offset % _ALIGN or offset + size > segment.size:
-            session.post(m.Return([offset], [size]))
-            raise _bad_reply(f"a lease [{offset}, +{size}) outside its segment")
-        session.install_lease(offset, size)
+        try:
+            if segment is None or offset + size > segment.size:
+                raise ValueError("outside its segment")
+            back = session.lease.install(offset, size)
+        except ValueError as exc:
+            session.post(m.Return(offsets=[offset], sizes=[size]))
+            raise bad_reply(f"a lease [{offset}, +{size}): {exc}") from None
+        if back[1] > 0:
+            session.post(m.Return(offsets=[back[0]], sizes=[back[1]]))
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task,
                  spin: bool = False, write_rcache: bool = True
-                 ) -> tuple[_Session, list[Slot]]:
+                 ) -> tuple[Session, list[Slot]]:
         """Reserve (in slices of the daemon's max_keys); the slots of NEW keys, and the
         connection they belong to (their tokens mean nothing on another)."""
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
         keys, sizes = list(keys), list(sizes)
 
-        def undo(session: _Session, replies: list) -> None:
+        def undo(session: Session, replies: list) -> None:
             for r in replies:
                 self._undo_granted(session, r)
         session, replies = self._sliced(
-            len(keys), lambda rid, lo, hi: m.Reserve(rid, keys[lo:hi], sizes[lo:hi],
-                                                     write_rcache),
+            len(keys), lambda rid, lo, hi: m.Reserve(rid=rid, keys=keys[lo:hi], sizes=sizes[lo:hi],
+                                                     write_rcache=write_rcache),
             m.Granted, task, lambda r, n: len(r.statuses) == n, undo, spin)
         reply = _joined(replies)
         if len(reply.statuses) != len(keys):
             undo(session, replies)
-            raise _bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
+            raise bad_reply(f"Granted of {len(reply.statuses)} for a Reserve of "
                              f"{len(keys)} keys")
         slots = []
         try:
@@ -389,7 +393,7 @@ class RemoteTransport(Transport):
             self._undo_granted(session, reply)
             if isinstance(exc, EmsException):
                 raise
-            raise _bad_reply(f"an unknown grant status: {exc}") from None
+            raise bad_reply(f"an unknown grant status: {exc}") from None
         if any(slot.segment is not None for slot in slots):
             # The daemon frees a reservation after its TTL and may give the space to
             # another key: the copy must stop (at its next checkpoint, EMS_IO_TIMEOUT)
@@ -399,15 +403,16 @@ class RemoteTransport(Transport):
                 task.deadline = cutoff
         return session, slots
 
-    def _commit(self, session: _Session, tokens: list[int], task: Task,
+    def _commit(self, session: Session, tokens: list[int], task: Task,
                 spin: bool = False) -> list[bool]:
         if session is not self._session or session.broken is not None:
-            raise _io_error("the connection to ems-server was lost during this save; "
+            raise io_error("the connection to ems-server was lost during this save; "
                             "its reservations are gone")
         try:
             _, replies = self._sliced(
-                len(tokens), lambda rid, lo, hi: m.Commit(rid, tokens[lo:hi],
-                                                          _budget_ms(task)), m.Committed,
+                len(tokens), lambda rid, lo, hi: m.Commit(rid=rid, tokens=tokens[lo:hi],
+                                                          budget_ms=_budget_ms(task)),
+                m.Committed,
                 task, lambda r, n: True, lambda s, r: None, spin)
         except EmsException:
             # Nobody aborts after a failed commit: do it here. If the commit did reach
@@ -416,24 +421,24 @@ class RemoteTransport(Transport):
             raise
         done = [x for r in replies for x in r.ok]
         if len(done) != len(tokens):
-            raise _bad_reply(f"Committed of {len(done)} for a Commit of {len(tokens)} tokens")
+            raise bad_reply(f"Committed of {len(done)} for a Commit of {len(tokens)} tokens")
         return done
 
-    def _abort(self, session: _Session, tokens: list[int]) -> None:
+    def _abort(self, session: Session, tokens: list[int]) -> None:
         """Best effort: tokens mean something only on the connection that got them."""
         if session is self._session and not self._closed:
             self._post_list(session, tokens, m.Abort)
 
-    def _undo_granted(self, session: _Session, reply: m.Granted) -> None:
+    def _undo_granted(self, session: Session, reply: m.Granted) -> None:
         tokens = [t for s, t in zip(reply.statuses, reply.tokens) if s == GrantStatus.NEW]
         self._post_list(session, tokens, m.Abort)
 
-    def _post_list(self, session: _Session, tokens: Sequence[int],
-                   kind: Callable[[list], m.Message]) -> None:
+    def _post_list(self, session: Session, tokens: Sequence[int],
+                   kind: type[m.Abort] | type[m.Release]) -> None:
         """One-way messages of tokens, in slices the daemon takes."""
         step = session.max_keys
         for lo in range(0, len(tokens), step):
-            session.post(kind(list(tokens[lo:lo + step])))
+            session.post(kind(tokens=list(tokens[lo:lo + step])))
 
     def load(self, req: Request, task: Task, spin: bool = False) -> int:
         """Pin the leading hits, copy them out, unpin: how many leading keys loaded."""
@@ -450,29 +455,21 @@ class RemoteTransport(Transport):
         return len(reply.tokens)
 
     def _pin(self, keys: list[str], sizes: list[int], task: Task, spin: bool,
-             local_only: bool = False) -> tuple[_Session, m.Pinned]:
+             local_only: bool = False) -> tuple[Session, m.Pinned]:
         """Acquire (in slices of the daemon's max_keys, stopping at the first miss), and
         check that every pinned range is in the segment and of the expected size (else
         unpin and raise)."""
-        session = self._session
-        if (session is not None and session.broken is None
-                and len(keys) <= session.max_keys):  # the usual case: one request
-            session, reply = self._call(
-                lambda rid: [_ACQUIRE, rid, keys, sizes, local_only, _budget_ms(task)], task,
-                None, spin)
-            if type(reply) is not m.Pinned:
-                raise _bad_reply(f"{type(reply).__name__} for an Acquire of {len(keys)} keys")
-        else:
-            def release(session: _Session, replies: list) -> None:
-                self._post_list(session, [t for r in replies for t in r.tokens], m.Release)
-            session, replies = self._sliced(
-                len(keys), lambda rid, lo, hi: [_ACQUIRE, rid, keys[lo:hi], sizes[lo:hi],
-                                                local_only, _budget_ms(task)],
-                m.Pinned, task, lambda r, n: len(r.tokens) == n, release, spin)
-            reply = _joined(replies)
+        def release(session: Session, replies: list) -> None:
+            self._post_list(session, [t for r in replies for t in r.tokens], m.Release)
+        session, replies = self._sliced(
+            len(keys), lambda rid, lo, hi: _acquire_wire(
+                rid=rid, keys=keys[lo:hi], sizes=sizes[lo:hi], local_only=local_only,
+                budget_ms=_budget_ms(task)),
+            m.Pinned, task, lambda r, n: len(r.tokens) == n, release, spin)
+        reply = _joined(replies)
         if len(reply.tokens) > len(keys):
             self._post_list(session, reply.tokens, m.Release)
-            raise _bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(keys)} keys")
+            raise bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(keys)} keys")
         try:
             for offset, size, want in zip(reply.offsets, reply.sizes, sizes):
                 self._check_range(session, offset, size, want)
@@ -488,21 +485,21 @@ class RemoteTransport(Transport):
         local_only = _read_local_only(option)
         budget = int(CONTROL_TIMEOUT_S * 1000 * 0.8)  # bounds a cluster daemon's lookup
         _, replies = self._sliced(
-            len(keys), lambda rid, lo, hi: m.Exists(rid, keys[lo:hi],
-                                                    None if want is None else want[lo:hi],
-                                                    local_only, budget),
+            len(keys), lambda rid, lo, hi: m.Exists(rid=rid, keys=keys[lo:hi],
+                                                    sizes=None if want is None else want[lo:hi],
+                                                    local_only=local_only, budget_ms=budget),
             m.Count, None, lambda r, n: r.n == n, lambda s, r: None)
         n = sum(r.n for r in replies)
         if n > len(keys) or any(r.n > len(keys) for r in replies):
-            raise _bad_reply(f"a Count of {n} for an Exists of {len(keys)} keys")
+            raise bad_reply(f"a Count of {n} for an Exists of {len(keys)} keys")
         return n
 
     def health(self) -> bool:
         try:
             session = self._live(HEALTH_TIMEOUT_S)
-            return isinstance(session.request(lambda rid: m.Ping(rid), HEALTH_TIMEOUT_S),
+            return isinstance(session.request(lambda rid: m.Ping(rid=rid), HEALTH_TIMEOUT_S),
                               m.Pong)
-        except (EmsException, socket.timeout):
+        except EmsException:
             return False
 
     def statistics(self) -> PoolStatistics:
@@ -510,15 +507,14 @@ class RemoteTransport(Transport):
         report = self.server_report(all_tenants=False)
         rows = list(report["tenants"].values())
         if len(rows) != 1:
-            raise _bad_reply(f"statistics of {len(rows)} tenants, expected 1")
-        names = {f.name for f in dataclasses.fields(PoolStatistics)}
-        return PoolStatistics(**{k: v for k, v in rows[0].items() if k in names})
+            raise bad_reply(f"statistics of {len(rows)} tenants, expected 1")
+        return pool_statistics(rows[0])
 
     def server_report(self, all_tenants: bool = False) -> dict[str, Any]:
         """The daemon's statistics report (``ems-server stats --json`` prints one)."""
-        _, reply = self._call(lambda rid: m.Stats(rid, all_tenants), None)
+        _, reply = self._call(lambda rid: m.Stats(rid=rid, all_tenants=all_tenants), None)
         if not isinstance(reply, m.StatsReply):
-            raise _bad_reply(f"{type(reply).__name__} for Stats")
+            raise bad_reply(f"{type(reply).__name__} for Stats")
         return reply.stats
 
     def close(self) -> None:
@@ -534,10 +530,10 @@ class RemoteTransport(Transport):
 
     # ------------------------------------------------------------ internals
     @staticmethod
-    def _check_range(session: _Session, offset: int, size: int, expected: int) -> None:
+    def _check_range(session: Session, offset: int, size: int, expected: int) -> None:
         seg = session.segment
         if seg is None or size != expected or offset + size > seg.size:
-            raise _bad_reply(f"a slot [{offset}, +{size}) outside its segment or of the "
+            raise bad_reply(f"a slot [{offset}, +{size}) outside its segment or of the "
                              f"wrong size (expected {expected})")
 
 
@@ -564,10 +560,10 @@ def server_report(sock_path: str, timeout_s: float = CONTROL_TIMEOUT_S,
     """Fetch the daemon's statistics: every tenant with an admin session (the daemon's
     user or root, no credentials), else only the tenant of ``access_id``."""
     admin = access_id is None
-    session = _Session.open(sock_path, access_id, access_key, timeout_s, gen=1, admin=admin)
+    session = Session.open(sock_path, access_id, access_key, timeout_s, gen=1, admin=admin)
     try:
-        reply = session.request(lambda rid: m.Stats(rid, True), timeout_s)
-    except socket.timeout:
+        reply = session.request(lambda rid: m.Stats(rid=rid, all_tenants=True), timeout_s)
+    except Timeout:
         raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                            f"ems-server at {sock_path} did not answer within "
                            f"{timeout_s:.1f} s") from None
@@ -576,5 +572,5 @@ def server_report(sock_path: str, timeout_s: float = CONTROL_TIMEOUT_S,
         if session.segment is not None:
             session.segment.close()
     if not isinstance(reply, m.StatsReply):
-        raise _bad_reply(f"{type(reply).__name__} for Stats")
+        raise bad_reply(f"{type(reply).__name__} for Stats")
     return reply.stats

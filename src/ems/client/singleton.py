@@ -95,7 +95,7 @@ def probe_pool(settings: PoolSettings) -> bool:
     :data:`PROBE_TIMEOUT_S`; never raises)."""
     if settings.resolved_mode() == "embedded":
         return True
-    from ems.client.session import probe
+    from ems.client.channel import probe
     return probe(settings.socket_path,
                  min(PROBE_TIMEOUT_S, settings.connect_timeout_ms / 1000.0))
 

@@ -44,8 +44,9 @@ __all__ = [
 ]
 
 MAGIC = b"EM"
-PROTOCOL_VERSION = 4  # 2: leases (Lease, Put, Return); 3: Welcome.max_keys, Ping before Hello;
-#  4: request options (write_rcache, local_only, budget_ms: the cluster tier)
+PROTOCOL_VERSION = 5  # 2: leases (Lease, Put, Return); 3: Welcome.max_keys, Ping before Hello;
+#  4: request options (write_rcache, local_only, budget_ms: the cluster tier);
+#  5: Welcome.align and Welcome.lease_size (the client no longer assumes either)
 HEADER = struct.Struct(">2sBBI")  # 8 bytes
 _pack_header = HEADER.pack
 _unpack_header = HEADER.unpack_from

@@ -231,6 +231,8 @@ class Message:
     _PARALLEL_IDX: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
     _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
+    #: the wire form from the fields by name (see ``_wire_builder``)
+    wire: ClassVar[Callable[..., list[Any]]]
 
     def to_wire(self) -> list[Any]:
         return [self.TYPE, *type(self)._fields_of(self)]
@@ -291,10 +293,33 @@ def _message(code: int) -> Callable[[type[_M]], type[_M]]:
         cls._fields_of = staticmethod(get if len(cls._NAMES) > 1 else lambda msg: (get(msg),))
         cls._PARALLEL_IDX = tuple(tuple(cls._NAMES.index(n) for n in group)
                                   for group in cls.PARALLEL)
+        cls.wire = staticmethod(_wire_builder(code, cls.__name__, fields))
         assert code not in MESSAGES
         MESSAGES[code] = cls
         return cls
     return register
+
+
+def _wire_builder(code: int, name: str, fields: tuple[Any, ...]) -> Callable[..., list[Any]]:
+    """``Cls.wire(field=..., ...)``: the wire form ``[TYPE, field, ...]`` of a message
+    from its fields BY NAME (keyword-only), in the order of its one definition above,
+    without building the object (the hot requests and every reply of the daemon).
+    Generated once per class: a keyword call of a plain function costs ~0.2 us, a
+    frozen dataclass plus ``to_wire`` ~1.5 us."""
+    params, env = [], {}
+    for i, f in enumerate(fields):
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            env[f"_d{i}"] = f.default
+            params.append(f"{f.name}=_d{i}")
+    names = [f.name for f in fields]
+    src = (f"def wire(*, {', '.join(params)}):\n"
+           f"    return [{code}, {', '.join(names)}]\n")
+    exec(src, env)  # noqa: S102 - built from our own field names only
+    builder = env["wire"]
+    builder.__qualname__ = f"{name}.wire"
+    return builder  # type: ignore[no-any-return]
 
 
 def from_wire(obj: Any) -> Message:
@@ -358,6 +383,12 @@ class Welcome(Message):
     server: str = _field(_str)
     #: the daemon's max_keys_per_request: the client sends batches in such slices
     max_keys: int = _field(_uint)
+    #: the pool's allocation unit: every range of the lease a client cuts is aligned
+    #: to it (the daemon checks each range of a Put)
+    align: int = _field(lambda v: _uint(v) and v > 0 and v & (v - 1) == 0)
+    #: size of one lease (0: the daemon hands out none); a save of at most a quarter
+    #: of it goes through the lease
+    lease_size: int = _field(_uint)
 
 
 # ----------------------------------------------------------------------- requests

@@ -285,8 +285,9 @@ class ClusterTier:
         self._answer_pins(w.conn, w.rid, w.pins + more)
 
     def _answer_pins(self, conn: Any, rid: int, pins: Sequence[Any]) -> None:
-        self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
-                    [p.size for p in pins])
+        self._reply(conn, m.Pinned.wire(rid=rid, tokens=[p.token for p in pins],
+                                        offsets=[p.offset for p in pins],
+                                        sizes=[p.size for p in pins]))
 
     def exists(self, conn: Any, tenant: Any, rid: int, keys: list[str],
                sizes: Optional[list[int]], n: int, budget_ms: int) -> None:
@@ -304,7 +305,7 @@ class ClusterTier:
             leading = 0
             while leading < len(ops) and ops[leading].ok:
                 leading += 1
-            self._reply(conn, m.Count, rid, n + leading)
+            self._reply(conn, m.Count.wire(rid=rid, n=n + leading))
 
         self._submit(work, done)
 
@@ -375,7 +376,8 @@ class ClusterTier:
             if getattr(conn, "tenant", None) is tenant and _open(conn):
                 pool.unlease(offsets, sizes, conn.id)
                 lease = self._lease(pool, conn) if want_lease else (0, 0)
-                self._reply(conn, m.Stored, rid, ok, *lease)
+                self._reply(conn, m.Stored.wire(rid=rid, ok=ok, lease_offset=lease[0],
+                                                lease_size=lease[1]))
 
         self._send(tenant, keys, views, self._deadline(budget_ms), then)
 
@@ -407,7 +409,7 @@ class ClusterTier:
         if behind:
             self.write_behind(tenant, [e[0] for e in behind], [e[2] for e in behind])
         if not through:
-            self._reply(conn, m.Committed, rid, ok)
+            self._reply(conn, m.Committed.wire(rid=rid, ok=ok))
             return True
         memory = self._memory(tenant)
         views = [memory[e[1]:e[1] + e[2]] for e in sends if e is not None]
@@ -416,7 +418,7 @@ class ClusterTier:
             pool.abort([tokens[i] for i in through], conn.id)  # no local copy kept
             for i, good in zip(through, sent):
                 ok[i] = good
-            self._reply(conn, m.Committed, rid, ok)
+            self._reply(conn, m.Committed.wire(rid=rid, ok=ok))
 
         self._send(tenant, [e[0] for e in sends if e is not None], views,
                    self._deadline(budget_ms), then)

@@ -14,13 +14,11 @@ and Commit hand the cluster's part to the tier, whose worker threads do the netw
 I/O and queue their completions, which the loop runs when the wake socketpair fires;
 those requests are then answered after their cluster round trip (by rid).
 
-A connection goes through these phases::
-
-    accept --> HELLO --(anonymous / admin)-----------------------> READY --> closed
-                 |                                                   ^
-                 +--(access_id)--> AUTH --(HMAC of nonce correct)----+
-                 |                  |
-                 +------------------+--(refused, malformed, timeout)--> closed
+A connection's phases (HELLO -> [AUTH] -> READY -> CLOSED), which message each phase
+accepts and what each reply moves, are ``ems.protocol.connection.ServerConnection``;
+this module is its I/O driver: it reads the socket, hands the bytes to the connection,
+acts on the events (the tenant registry decides Hello and Auth, a handler per request
+does the pool's dictionary work) and writes the frames the connection returns.
 
 Whatever closes a connection (EOF, a malformed or wrong-version frame, a client that
 does not read its replies, a handshake not finished within ``handshake_timeout_s``),
@@ -52,7 +50,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import errno
 import fcntl
 import logging
@@ -68,14 +65,9 @@ from typing import Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import GrantStatus, Pool
-from ems.protocol import (
-    MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
-    FrameDecoder,
-    encode,
-    encode_wire,
-)
+from ems.protocol import PROTOCOL_VERSION, encode_wire
 from ems.protocol import messages as m
+from ems.protocol.connection import Phase, ServerConnection
 from ems.server import cluster_tier as _cluster_tier
 from ems.server.config import Limits, ServerConfig
 from ems.server.tenants import Tenant, TenantRegistry
@@ -84,7 +76,6 @@ __all__ = ["Daemon", "DaemonError"]
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_FRAME_BYTES = 4096  # no handshake message is bigger; limits unauthenticated memory
 MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is dropped
 #: Bytes asked of one recv. Not more: CPython allocates that much for every recv, and
 #: past malloc's mmap threshold (128 KiB) each call maps and unmaps it (~15 us).
@@ -96,20 +87,18 @@ _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _PRESSURE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.05, 1.0
 _WARN_EVERY_S = 10.0
-#: requests whose field ``i`` is a list of keys (or of tokens / ranges) to bound
-_KEYS_AT = {m.Reserve: 1, m.Acquire: 1, m.Exists: 1, m.Put: 1}
-_LISTS_AT = {m.Commit: 1, m.Abort: 0, m.Release: 0, m.Return: 0}
+#: requests whose field of this name is a list of keys (or of tokens / ranges) to
+#: bound, as its position (from the message's one definition)
+_KEYS_AT: dict[type[m.Message], int] = {
+    cls: cls._NAMES.index("keys") for cls in (m.Reserve, m.Acquire, m.Exists, m.Put)}
+_LISTS_AT: dict[type[m.Message], int] = {
+    cls: cls._NAMES.index(name) for cls, name in (
+        (m.Commit, "tokens"), (m.Abort, "tokens"), (m.Release, "tokens"),
+        (m.Return, "offsets"))}
 
 
 class DaemonError(Exception):
     """The daemon cannot start (message says why and what to do)."""
-
-
-class _Phase(enum.Enum):
-    HELLO = "hello"
-    AUTH = "auth"
-    READY = "ready"
-    CLOSED = "closed"
 
 
 @dataclasses.dataclass(eq=False)
@@ -119,19 +108,19 @@ class _Conn:
     pid: int
     uid: int
     opened_at: float
-    phase: _Phase = _Phase.HELLO
+    proto: ServerConnection = dataclasses.field(default_factory=ServerConnection)
     tenant: Optional[Tenant] = None
     admin: bool = False
-    access_id: Optional[str] = None
     key_id: Optional[str] = None  # which of the tenant's keys opened this session
-    nonce: bytes = b""
-    decoder: FrameDecoder = dataclasses.field(
-        default_factory=lambda: FrameDecoder(HANDSHAKE_FRAME_BYTES))
     out: collections.deque = dataclasses.field(default_factory=collections.deque)
     out_bytes: int = 0
     writing: bool = False
     pins: int = 0  # pins this connection holds (bounded by max_pins_per_connection)
     buffered: int = 0  # bytes of its partial frames counted in Daemon._buffered
+
+    @property
+    def phase(self) -> Phase:
+        return self.proto.phase
 
     def __str__(self) -> str:
         who = self.tenant.name if self.tenant else ("admin" if self.admin else "-")
@@ -373,7 +362,7 @@ class Daemon:
         if type(data) is _Conn:
             if mask & select.EPOLLOUT:
                 self._flush(data)
-            if mask & _READABLE and data.phase is not _Phase.CLOSED:
+            if mask & _READABLE and data.phase is not Phase.CLOSED:
                 self._on_readable(data)
         elif data == "listen":
             self._accept()
@@ -400,7 +389,7 @@ class Daemon:
                         "or stuck)", freed, self.config.reservation_ttl_s)
         limit = time.monotonic() - self.limits.handshake_timeout_s
         for conn in list(self._conns.values()):
-            if conn.phase in (_Phase.HELLO, _Phase.AUTH) and conn.opened_at < limit:
+            if conn.phase in (Phase.HELLO, Phase.AUTH) and conn.opened_at < limit:
                 self._fail(conn, EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                                               "handshake not finished in time"))
 
@@ -440,7 +429,7 @@ class Daemon:
                    f"its limit (max_connections_per_uid); retry once some have closed")
         self._warn_limited(f"ems-server: refused a connection: {message}")
         try:
-            sock.send(encode(m.Error(0, EmsErrorCode.EMS_RECOVERD_ERROR.value, message)))
+            sock.send(ServerConnection().refuse(EmsErrorCode.EMS_RECOVERD_ERROR, message))
         except OSError:
             pass
         sock.close()
@@ -449,7 +438,7 @@ class Daemon:
         """No fd (or memory) for a new connection: make room and back off (see the
         module docstring)."""
         self.refused["accept_fd_pressure"] += 1
-        idle = [c for c in self._conns.values() if c.phase in (_Phase.HELLO, _Phase.AUTH)]
+        idle = [c for c in self._conns.values() if c.phase in (Phase.HELLO, Phase.AUTH)]
         if idle:
             oldest = min(idle, key=lambda c: c.opened_at)
             self._fail(oldest, EmsException(EmsErrorCode.EMS_RECOVERD_ERROR,
@@ -491,18 +480,16 @@ class Daemon:
         if not data:
             self._close(conn, "closed by the client")
             return
+        proto = conn.proto
         try:
-            for body in conn.decoder.bodies(data):
-                cls = m.wire_class(body)
-                if conn.phase is _Phase.READY:
-                    self._request(conn, cls, cls.validate(body[1:]))
+            for cls, v in proto.receive(data):
+                if proto.phase is Phase.READY:
+                    self._request(conn, cls, v)
                 else:
-                    self._handle(conn, cls.check(body[1:]))
-                if conn.phase is _Phase.CLOSED:
-                    return
-            if conn.decoder.failed is not None:  # a corrupt frame after good ones
-                raise conn.decoder.failed
-            held = conn.decoder.buffered
+                    self._handshake(conn, cls, v)
+            if proto.phase is Phase.CLOSED:
+                return
+            held = proto.buffered
             self._buffered += held - conn.buffered
             conn.buffered = held
             if held and self._buffered > self.limits.max_buffered_bytes:
@@ -522,17 +509,18 @@ class Daemon:
                                           f"internal error: {type(exc).__name__}"))
 
     # ------------------------------------------------------------ output
-    def _send(self, conn: _Conn, msg: m.Message, fds: tuple[int, ...] = ()) -> None:
-        self._send_frame(conn, encode(msg), fds)
+    def _reply(self, conn: _Conn, wire: list[Any]) -> None:
+        """Answer with a reply in its wire form (``Cls.wire(...)``: no object built)."""
+        self._send_frame(conn, encode_wire(wire))
 
-    def _reply(self, conn: _Conn, cls: type[m.Message], *fields: Any) -> None:
-        """Answer with a message of ``cls`` given by its fields (no object is built)."""
-        self._send_frame(conn, encode_wire([cls.TYPE, *fields]))
+    def _error(self, conn: _Conn, rid: int, code: EmsErrorCode, message: str) -> None:
+        """Refuse one request (the connection stays)."""
+        self._reply(conn, m.Error.wire(rid=rid, code=code.value, message=message))
 
-    def _reply_late(self, conn: _Conn, cls: type[m.Message], *fields: Any) -> None:
+    def _reply_late(self, conn: _Conn, wire: list[Any]) -> None:
         """A reply after the cluster tier's round trip: only to a connection still open."""
-        if conn.phase is _Phase.READY:
-            self._reply(conn, cls, *fields)
+        if conn.proto.phase is Phase.READY:
+            self._reply(conn, wire)
 
     def _send_frame(self, conn: _Conn, data: bytes, fds: tuple[int, ...] = ()) -> None:
         if not conn.out and not fds:  # the usual case: straight out, nothing queued
@@ -573,26 +561,26 @@ class Daemon:
                 break
             conn.out.popleft()
         want = bool(conn.out)
-        if want != conn.writing and conn.phase is not _Phase.CLOSED:
+        if want != conn.writing and conn.phase is not Phase.CLOSED:
             self._epoll.modify(conn.sock.fileno(),
                                select.EPOLLIN | (select.EPOLLOUT if want else 0))
             conn.writing = want
 
     def _fail(self, conn: _Conn, exc: EmsException) -> None:
         """Tell the client why (best effort), then close its connection."""
-        if conn.phase is _Phase.CLOSED:
+        if conn.phase is Phase.CLOSED:
             return
         logger.warning("ems-server: closing %s: %s", conn, exc)
         try:
-            conn.sock.send(encode(m.Error(0, exc.status_code().value, exc.message())))
+            conn.sock.send(conn.proto.refuse(exc.status_code(), exc.message()))
         except OSError:
             pass
         self._close(conn, exc.message())
 
     def _close(self, conn: _Conn, why: str) -> None:
-        if conn.phase is _Phase.CLOSED:
+        if conn.phase is Phase.CLOSED and conn.id not in self._conns:
             return
-        conn.phase = _Phase.CLOSED
+        conn.proto.closed()
         if self._conns.pop(conn.id, None) is not None:
             self._per_uid[conn.uid] -= 1
             if self._per_uid[conn.uid] <= 0:
@@ -610,53 +598,44 @@ class Daemon:
         logger.debug("ems-server: %s closed: %s", conn, why)
 
     # ------------------------------------------------------------ messages
-    def _handle(self, conn: _Conn, msg: m.Message) -> None:
-        if conn.phase is _Phase.HELLO and isinstance(msg, m.Ping):
+    def _handshake(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
+        """A message of the HELLO or AUTH phase (the connection let only those in)."""
+        proto = conn.proto
+        if cls is m.Ping:
             # A liveness probe before any handshake (``Ems.check_health()`` before a
             # successful init): answered, and the connection stays in HELLO.
-            self._send(conn, m.Pong(msg.rid))
-        elif conn.phase is _Phase.HELLO and isinstance(msg, m.Hello):
-            self._hello(conn, msg)
-        elif conn.phase is _Phase.AUTH and isinstance(msg, m.Auth):
-            self._auth(conn, msg)
-        else:
-            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
-                               f"unexpected {type(msg).__name__} during {conn.phase.value}")
+            self._send_frame(conn, proto.pong(v[0]))
+        elif cls is m.Hello:
+            if proto.admin:
+                if conn.uid not in (0, os.getuid()):
+                    self._refuse(conn, "admin sessions are for the daemon's user and root")
+                    return
+                conn.admin = True
+                self._welcome(conn, None)
+            elif proto.access_id is None:
+                tenant = self.registry.anonymous
+                if tenant is None:
+                    self._refuse(conn, "anonymous access is disabled on this ems-server; "
+                                       "set EmsConfig.access_id/access_key")
+                    return
+                self._welcome(conn, tenant)
+            else:
+                self._send_frame(conn, proto.challenge(secrets.token_bytes(32)))
+        else:  # Auth
+            assert proto.access_id is not None
+            found = self.registry.authenticate(proto.access_id, proto.nonce, v[0])
+            if found is None:
+                self._refuse(conn, f"access_id {proto.access_id!r} with this access_key is "
+                                   f"refused by ems-server")
+                return
+            conn.key_id = found[1]
+            self._welcome(conn, found[0])
 
-    def _refuse(self, conn: _Conn, message: str) -> None:
+    def _refuse(self, conn: _Conn, message: str,
+                code: EmsErrorCode = EmsErrorCode.EMS_AUTH_FAILED) -> None:
         logger.warning("ems-server: refused %s: %s", conn, message)
-        self._send(conn, m.Error(0, EmsErrorCode.EMS_AUTH_FAILED.value, message))
+        self._send_frame(conn, conn.proto.refuse(code, message))
         self._close(conn, message)
-
-    def _hello(self, conn: _Conn, hello: m.Hello) -> None:
-        if hello.admin:
-            if conn.uid not in (0, os.getuid()):
-                self._refuse(conn, "admin sessions are for the daemon's user and root")
-                return
-            conn.admin = True
-            self._welcome(conn, None)
-        elif hello.access_id is None:
-            tenant = self.registry.anonymous
-            if tenant is None:
-                self._refuse(conn, "anonymous access is disabled on this ems-server; "
-                                   "set EmsConfig.access_id/access_key")
-                return
-            self._welcome(conn, tenant)
-        else:
-            conn.access_id = hello.access_id
-            conn.nonce = secrets.token_bytes(32)
-            conn.phase = _Phase.AUTH
-            self._send(conn, m.Challenge(conn.nonce))
-
-    def _auth(self, conn: _Conn, auth: m.Auth) -> None:
-        assert conn.access_id is not None
-        found = self.registry.authenticate(conn.access_id, conn.nonce, auth.mac)
-        if found is None:
-            self._refuse(conn, f"access_id {conn.access_id!r} with this access_key is "
-                               f"refused by ems-server")
-            return
-        conn.key_id = found[1]
-        self._welcome(conn, found[0])
 
     def _welcome(self, conn: _Conn, tenant: Optional[Tenant]) -> None:
         if tenant is not None and tenant.connections >= self.limits.max_connections_per_tenant:
@@ -664,27 +643,34 @@ class Daemon:
             message = (f"tenant {tenant.name} holds {tenant.connections} connections, its "
                        f"limit (max_connections_per_tenant); retry once some have closed")
             self._warn_limited(f"ems-server: refused {conn}: {message}")
-            self._send(conn, m.Error(0, EmsErrorCode.EMS_RECOVERD_ERROR.value, message))
+            self._send_frame(conn, conn.proto.refuse(EmsErrorCode.EMS_RECOVERD_ERROR, message))
             self._close(conn, message)
             return
-        conn.phase = _Phase.READY
-        conn.decoder.max_frame_bytes = min(MAX_FRAME_BYTES, self.limits.max_frame_bytes)
-        conn.decoder.unpack_limits = self._unpack_limits
         server = f"ems-server pid {os.getpid()} protocol {PROTOCOL_VERSION}"
-        ttl = self.config.reservation_ttl_s
-        max_keys = self.limits.max_keys_per_request
+        ttl, max_keys = self.config.reservation_ttl_s, self.limits.max_keys_per_request
+        fds: tuple[int, ...] = ()
         if tenant is None:
-            self._send(conn, m.Welcome("", 0, 0, ttl, server, max_keys))
+            welcome = m.Welcome(tenant="", segment_id=0, segment_size=0,
+                                reservation_ttl_s=ttl, server=server, max_keys=max_keys,
+                                align=64, lease_size=0)
         else:
             conn.tenant = tenant
             tenant.connections += 1
-            self._send(conn, m.Welcome(tenant.name, tenant.segment_id, tenant.segment_size,
-                                       ttl, server, max_keys), fds=(tenant.fd,))
+            pool = tenant.pool
+            welcome = m.Welcome(tenant=tenant.name, segment_id=tenant.segment_id,
+                                segment_size=tenant.segment_size, reservation_ttl_s=ttl,
+                                server=server, max_keys=max_keys,
+                                align=pool.allocator.alignment,
+                                lease_size=m.lease_bytes(pool.capacity_bytes))
+            fds = (tenant.fd,)
+        self._send_frame(conn, conn.proto.welcome(welcome, self.limits.max_frame_bytes,
+                                                  self._unpack_limits), fds)
         logger.debug("ems-server: %s ready", conn)
 
     def _request(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
         """A checked request of a ready connection, its fields positional in ``v``
-        (the order of the message's fields); one handler per message type."""
+        (the order of the message's one definition); one handler per message type,
+        whose parameters are the message's fields by name (a unit test pins them)."""
         handler = _HANDLERS.get(cls)
         tenant = conn.tenant
         if handler is not None and tenant is not None:
@@ -698,16 +684,14 @@ class Daemon:
                                    f"{cls.__name__} of {len(v[at])} entries exceeds "
                                    f"max_keys_per_request "
                                    f"({self.limits.max_keys_per_request})")
-            handler(self, conn, tenant.pool, v)
+            handler(self, conn, tenant.pool, *v)
         elif cls is m.Ping:
-            self._reply(conn, m.Pong, v[0])
+            self._reply(conn, m.Pong.wire(rid=v[0]))
         elif cls is m.Stats:
-            self._reply(conn, m.StatsReply, v[0], self.report(conn, v[1]))
-        elif handler is None:
-            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
-                               f"{cls.__name__} is not a request")
+            rid, all_tenants = v
+            self._reply(conn, m.StatsReply.wire(rid=rid, stats=self.report(conn, all_tenants)))
         elif "rid" in cls._NAMES:  # an admin session (one-way messages get no answer)
-            self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value,
+            self._error(conn, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT,
                         "an admin session has no pool")
 
     def _keys_within_limits(self, conn: _Conn, cls: type[m.Message], v: list[Any],
@@ -730,35 +714,39 @@ class Daemon:
         if problem is None:
             return True
         self.refused[problem[0]] += 1
-        self._reply(conn, m.Error, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT.value, problem[1])
+        self._error(conn, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT, problem[1])
         return False
 
-    def _on_reserve(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes, write_rcache = v
+    # The handlers: one per request type; after (conn, pool), the message's fields by
+    # name, in the order of their one definition in ``ems.protocol.messages``.
+    def _on_reserve(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
+                    sizes: list[int], write_rcache: bool) -> None:
         if any(size <= 0 for size in sizes):
-            self._reply(conn, m.Error, rid, EmsErrorCode.EMS_INVALID_ARGUMENT.value,
-                        "sizes must be > 0")
+            self._error(conn, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
             return
         grants = pool.reserve(keys, sizes, conn.id)
         if self.cluster is not None:
             self.cluster.reserved(conn, keys, grants, write_rcache)
-        self._reply(conn, m.Granted, rid, [int(g.status) for g in grants],
-                    [g.token for g in grants], [g.offset for g in grants],
-                    [g.size for g in grants])
+        self._reply(conn, m.Granted.wire(rid=rid, statuses=[int(g.status) for g in grants],
+                                         tokens=[g.token for g in grants],
+                                         offsets=[g.offset for g in grants],
+                                         sizes=[g.size for g in grants]))
 
-    def _on_commit(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        if self.cluster is not None and self.cluster.commit(conn, conn.tenant, v[0], v[1],
-                                                            v[2]):
+    def _on_commit(self, conn: _Conn, pool: Pool, rid: int, tokens: list[int],
+                   budget_ms: int) -> None:
+        if self.cluster is not None and self.cluster.commit(conn, conn.tenant, rid, tokens,
+                                                            budget_ms):
             return  # answered by the cluster tier (now, or after the home node has it)
-        self._reply(conn, m.Committed, v[0], pool.commit(v[1], conn.id))
+        self._reply(conn, m.Committed.wire(rid=rid, ok=pool.commit(tokens, conn.id)))
 
-    def _on_abort(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        pool.abort(v[0], conn.id)
+    def _on_abort(self, conn: _Conn, pool: Pool, tokens: list[int]) -> None:
+        pool.abort(tokens, conn.id)
         if self.cluster is not None:
-            self.cluster.forget(conn, v[0])
+            self.cluster.forget(conn, tokens)
 
-    def _on_put(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, offsets, sizes, want_lease, write_rcache, budget_ms = v
+    def _on_put(self, conn: _Conn, pool: Pool, rid: int, keys: list[str], offsets: list[int],
+                sizes: list[int], want_lease: bool, write_rcache: bool, budget_ms: int
+                ) -> None:
         cluster = self.cluster
         if cluster is not None and not write_rcache:  # the home node only
             if not pool.owns(offsets, sizes, conn.id):
@@ -774,21 +762,24 @@ class Daemon:
             raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
         offset, size = self._lease(pool, conn) if want_lease else (0, 0)
         # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
-        self._reply(conn, m.Stored, rid, [True] * len(keys), offset, size)
+        self._reply(conn, m.Stored.wire(rid=rid, ok=[True] * len(keys), lease_offset=offset,
+                                        lease_size=size))
         if cluster is not None:  # after the reply: the write-behind is not its business
             new = [i for i, st in enumerate(statuses) if st is GrantStatus.NEW]
             if new:
                 cluster.write_behind(conn.tenant, [keys[i] for i in new],
                                      [sizes[i] for i in new])
 
-    def _on_return(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        pool.unlease(v[0], v[1], conn.id)
+    def _on_return(self, conn: _Conn, pool: Pool, offsets: list[int], sizes: list[int]
+                   ) -> None:
+        pool.unlease(offsets, sizes, conn.id)
 
-    def _on_lease(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        self._reply(conn, m.Leased, v[0], *self._lease(pool, conn))
+    def _on_lease(self, conn: _Conn, pool: Pool, rid: int) -> None:
+        offset, size = self._lease(pool, conn)
+        self._reply(conn, m.Leased.wire(rid=rid, offset=offset, size=size))
 
-    def _on_acquire(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes, local_only, budget_ms = v
+    def _on_acquire(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
+                    sizes: Optional[list[int]], local_only: bool, budget_ms: int) -> None:
         room = self.limits.max_pins_per_connection - conn.pins
         if room < len(keys):  # pin what fits: the keys after it miss
             self.refused["max_pins_per_connection"] += 1
@@ -800,19 +791,20 @@ class Daemon:
                 and len(pins) < len(keys)):  # the rest from the home nodes, then answer
             self.cluster.acquire(conn, conn.tenant, rid, keys, sizes, pins, budget_ms)
             return
-        self._reply(conn, m.Pinned, rid, [p.token for p in pins], [p.offset for p in pins],
-                    [p.size for p in pins])
+        self._reply(conn, m.Pinned.wire(rid=rid, tokens=[p.token for p in pins],
+                                        offsets=[p.offset for p in pins],
+                                        sizes=[p.size for p in pins]))
 
-    def _on_release(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        conn.pins -= pool.release(v[0], conn.id)
+    def _on_release(self, conn: _Conn, pool: Pool, tokens: list[int]) -> None:
+        conn.pins -= pool.release(tokens, conn.id)
 
-    def _on_exists(self, conn: _Conn, pool: Pool, v: list[Any]) -> None:
-        rid, keys, sizes, local_only, budget_ms = v
+    def _on_exists(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
+                   sizes: Optional[list[int]], local_only: bool, budget_ms: int) -> None:
         n = pool.exists(keys, sizes)
         if self.cluster is not None and not local_only and n < len(keys):
             self.cluster.exists(conn, conn.tenant, rid, keys, sizes, n, budget_ms)
             return
-        self._reply(conn, m.Count, rid, n)
+        self._reply(conn, m.Count.wire(rid=rid, n=n))
 
     def _lease(self, pool: Pool, conn: _Conn) -> tuple[int, int]:
         """A fresh lease for ``conn``: (offset, size), or (0, 0) when there is no room or
@@ -875,7 +867,7 @@ class Daemon:
 
 
 #: The request handlers of a tenant session, by message class.
-_HANDLERS = {
+_HANDLERS: dict[type[m.Message], Callable[..., None]] = {
     m.Reserve: Daemon._on_reserve,
     m.Commit: Daemon._on_commit,
     m.Abort: Daemon._on_abort,
