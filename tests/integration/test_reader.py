@@ -5,7 +5,6 @@ an idle connection notices a daemon that went away."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 

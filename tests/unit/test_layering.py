@@ -4,6 +4,8 @@ instead of waiting for a reviewer):
 * ``protocol`` imports nothing of ours but ``errors``;
 * ``pool`` imports nothing of ours;
 * ``client`` never imports ``server``, ``server`` never imports ``client``;
+* of the client, only the embedded transport imports ``pool`` (it runs the pool core
+  in-process); the daemon's client shares only ``protocol`` with the daemon;
 * ``cluster`` imports neither ``client`` nor ``server``;
 * no core module imports the top-level ``ems`` package (its public names): ``bench``,
   ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
@@ -63,6 +65,8 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: pool imports nothing of ours")
             if area == "client" and to == "server":
                 bad.append(f"{module} imports {target}: the client never imports the daemon")
+            if area == "client" and to == "pool" and module != "ems.client.embedded":
+                bad.append(f"{module} imports {target}: only the embedded pool runs the core")
             if area == "server" and to == "client":
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
             if area == "cluster" and to in ("client", "server"):

@@ -11,9 +11,8 @@ import pytest
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool import core
-from ems.protocol import PROTOCOL_VERSION, encode, encode_wire
+from ems.protocol import PROTOCOL_VERSION, encode, encode_wire, report
 from ems.protocol import messages as m
-from ems.protocol import report
 from ems.protocol.connection import (
     LATE,
     REQUESTS,
@@ -256,7 +255,7 @@ def test_the_daemon_closing_says_why_after_the_replies_before_it():
 
 def test_a_corrupt_frame_after_good_ones():
     client, server = _ready_pair()
-    a, b = client.start("a"), client.start("b")
+    a, _ = client.start("a"), client.start("b")
     data = server.pong(a) + b"EM\x05\x00\x00\x00\x00\x02\xc1\xc1"
     assert client.receive(data) == [("a", m.Pong(rid=a))]
     assert client.error.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR

@@ -99,6 +99,8 @@ class Channel:
         self._write_poll = select.poll()
         self._write_poll.register(sock.fileno(), select.POLLOUT)
         self.fileno = sock.fileno()
+        #: ``poll_in(timeout_ms)``: the raw poll for readability (the spin loop's)
+        self.poll_in = self._read_poll.poll
 
     # ------------------------------------------------------------ opening
     @classmethod

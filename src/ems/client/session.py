@@ -51,6 +51,7 @@ __all__ = ["LIVENESS_S", "POST_WAIT_S", "Session", "Timeout", "bad_reply", "fres
            "io_error", "probe"]
 
 _monotonic = time.monotonic
+_yield = os.sched_yield
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Session:
         without sleeping (the reply is ~30-50 us away; a sleep costs a wake-up)."""
         spin_until = _monotonic() + spin_s if spin_s > 0 else 0.0
         channel, proto = self.channel, self._proto
-        readable, recv = channel.readable, channel.recv
+        readable, recv, poll_in = channel.readable, channel.recv, channel.poll_in
         try:
             while True:
                 if waiter is not None:
@@ -260,10 +261,12 @@ class Session:
                 remaining = deadline - _monotonic()
                 if remaining <= 0:
                     return
-                ready = False
+                ready: Any = False
                 if spin_until:  # (poll(0) gives the GIL to other threads each time)
+                    ready = poll_in(0)
                     while not ready and _monotonic() < spin_until:
-                        ready = readable(0)
+                        _yield()  # a runnable daemon on this CPU goes first
+                        ready = poll_in(0)
                     spin_until = 0.0
                 if not ready and not readable(math.ceil(remaining * 1000)):
                     continue
