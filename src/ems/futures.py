@@ -94,6 +94,12 @@ class Task:
             self._cancelled = True
             raise Cancelled
 
+    def tighten(self, deadline: float) -> None:
+        """Also stop by ``deadline`` (a monotonic time): e.g. a pool's reservation TTL,
+        which bounds a save's copy even when the request itself has no deadline."""
+        if self.deadline is None or self.deadline > deadline:
+            self.deadline = deadline
+
     def remaining_s(self) -> Optional[float]:
         """Seconds left before the deadline (None: no deadline)."""
         if self.deadline is None:

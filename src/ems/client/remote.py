@@ -318,7 +318,7 @@ class RemoteTransport(Transport):
         except BaseException:
             if want:
                 lease.asked_done()
-            session.post(m.Return(offsets=list(offsets), sizes=sizes))
+            session.post(m.Return.wire(offsets=list(offsets), sizes=sizes))
             raise
         return self._put(session, list(req.keys), offsets, sizes, want, task, spin,
                          _write_rcache(req.option))
@@ -335,7 +335,7 @@ class RemoteTransport(Transport):
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
             # carved already (and is ignored).
-            session.post(m.Return(offsets=offsets, sizes=sizes))
+            session.post(m.Return.wire(offsets=offsets, sizes=sizes))
             raise
         finally:
             if want:
@@ -354,10 +354,10 @@ class RemoteTransport(Transport):
                 raise ValueError("outside its segment")
             back = session.lease.install(offset, size)
         except ValueError as exc:
-            session.post(m.Return(offsets=[offset], sizes=[size]))
+            session.post(m.Return.wire(offsets=[offset], sizes=[size]))
             raise bad_reply(f"a lease [{offset}, +{size}): {exc}") from None
         if back[1] > 0:
-            session.post(m.Return(offsets=[back[0]], sizes=[back[1]]))
+            session.post(m.Return.wire(offsets=[back[0]], sizes=[back[1]]))
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task,
                  spin: bool = False, write_rcache: bool = True
@@ -398,9 +398,7 @@ class RemoteTransport(Transport):
             # The daemon frees a reservation after its TTL and may give the space to
             # another key: the copy must stop (at its next checkpoint, EMS_IO_TIMEOUT)
             # well before that, also when the request itself has no deadline.
-            cutoff = sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE
-            if task.deadline is None or task.deadline > cutoff:
-                task.deadline = cutoff
+            task.tighten(sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE)
         return session, slots
 
     def _commit(self, session: Session, tokens: list[int], task: Task,
@@ -438,7 +436,7 @@ class RemoteTransport(Transport):
         """One-way messages of tokens, in slices the daemon takes."""
         step = session.max_keys
         for lo in range(0, len(tokens), step):
-            session.post(kind(tokens=list(tokens[lo:lo + step])))
+            session.post(kind.wire(tokens=list(tokens[lo:lo + step])))
 
     def load(self, req: Request, task: Task, spin: bool = False) -> int:
         """Pin the leading hits, copy them out, unpin: how many leading keys loaded."""

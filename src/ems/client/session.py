@@ -297,15 +297,18 @@ class Session:
         if error is not None:
             raise error
 
-    def post(self, msg: m.Message) -> None:
-        """A one-way message (abort, release, return), sent within :data:`POST_WAIT_S`;
-        silently dropped on a broken connection. One that cannot be sent in time fails
-        the connection: the daemon then drops what the message would have given back."""
+    def post(self, msg: m.Message | list[Any]) -> None:
+        """A one-way message (abort, release, return; or its wire form), sent within
+        :data:`POST_WAIT_S`; silently dropped on a broken connection. One that cannot
+        be sent in time fails the connection: the daemon then drops what the message
+        would have given back."""
         if self.broken is None:
             try:
-                self._send(encode(msg), _monotonic() + POST_WAIT_S)
+                data = encode_wire(msg) if isinstance(msg, list) else encode(msg)
+                self._send(data, _monotonic() + POST_WAIT_S)
             except Timeout:
-                self.fail(io_error(f"ems-server did not take a {type(msg).__name__} "
+                name = m.MESSAGES[msg[0]].__name__ if type(msg) is list else type(msg).__name__
+                self.fail(io_error(f"ems-server did not take a {name} "
                                    f"within {POST_WAIT_S * 1000:.0f} ms; the connection "
                                    f"is dropped (the daemon frees what it held)"))
             except EmsException:
