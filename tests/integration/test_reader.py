@@ -48,7 +48,7 @@ def test_many_threads_share_one_connection_and_get_their_own_replies(server):
         assert not any(th.is_alive() for th in threads)
         assert errors == []
         session = transport._session
-        assert session is not None and session.outstanding() == (0, 0, False)
+        assert session is not None and session.outstanding()[:3] == (0, 0, False)
         wait_for(lambda: anonymous_stats(server)["pinned"] == 0, 5.0, "pins released")
         assert anonymous_stats(server)["objects"] == n_threads * rounds
     finally:
@@ -82,7 +82,7 @@ def test_timed_out_waiters_hand_the_socket_on(server):
         long.join(5)
         assert isinstance(results.get("long"), m.Pong)
         # the late Pong of the short wait was read and dropped by someone
-        wait_for(lambda: session.outstanding()[1] == 0, 5.0, "late reply read")
+        wait_for(lambda: session.outstanding().late == 0, 5.0, "late reply read")
         assert session.request(lambda rid: m.Ping(rid), 1.0) == m.Pong(4)
     finally:
         server.resume()
@@ -97,5 +97,43 @@ def test_an_idle_connection_notices_the_daemon_going_away(server):
         server.kill()
         wait_for(lambda: session.broken is not None, 5.0, "the watcher saw the hang-up")
         assert not transport.health()
+    finally:
+        transport.close()
+
+
+def test_a_loads_pins_go_back_with_the_next_frame(server, monkeypatch):
+    """The Release of a load rides in front of the connection's next request (one send):
+    with the watcher's delay made long, the pin waits for exactly that."""
+    from ems.client import session as session_module
+    monkeypatch.setattr(session_module, "RELEASE_DELAY_S", 30.0)
+    transport = _connect(server)
+    try:
+        assert transport_save(transport, ["lazy"], 4096) == 1
+        session = transport._live(1.0)
+        session.outstanding()  # (the watcher is parked: nothing waits)
+        n, _ = transport_load(transport, ["lazy"], 4096)
+        assert n == 1
+        assert session.outstanding().unreleased == 1
+        assert anonymous_stats(server)["pinned"] == 1  # held until the next frame
+        assert transport.exists(["lazy"], None) == 1  # carries the Release
+        assert session.outstanding().unreleased == 0
+        assert anonymous_stats(server)["pinned"] == 0
+    finally:
+        transport.close()
+
+
+def test_a_loads_pins_go_back_within_the_delay_when_nothing_follows(server, monkeypatch):
+    from ems.client import session as session_module
+    monkeypatch.setattr(session_module, "RELEASE_DELAY_S", 0.05)
+    transport = _connect(server)
+    try:
+        for round_ in range(3):  # the watcher parked, then woken by the first pin
+            key = f"idle-{round_}"
+            assert transport_save(transport, [key], 4096) == 1
+            time.sleep(0.2)  # the watcher parks
+            assert transport_load(transport, [key], 4096)[0] == 1
+            wait_for(lambda: anonymous_stats(server)["pinned"] == 0, 5.0,
+                     "pins given back without another request")
+            assert transport._live(1.0).outstanding().unreleased == 0
     finally:
         transport.close()

@@ -449,7 +449,7 @@ class RemoteTransport(Transport):
             req.mover.from_pool(range(len(reply.tokens)),
                                 [(segment, offset) for offset in reply.offsets], task)
         finally:
-            self._post_list(session, reply.tokens, m.Release)
+            session.release(reply.tokens)  # with the next frame (see Session.release)
         return len(reply.tokens)
 
     def _pin(self, keys: list[str], sizes: list[int], task: Task, spin: bool,

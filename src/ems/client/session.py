@@ -23,6 +23,15 @@ go out in that time fails the connection, and the daemon then drops every pin an
 reservation of it (nothing leaks; the slack of a call's deadline is this wait plus the
 copy step in progress).
 
+A load's pins are given back LAZILY: :meth:`Session.release` keeps the tokens, and
+the next frame this connection sends carries the ``Release`` in front of it (one
+``send``, one wake of the daemon, instead of a one-way frame of its own after every
+load: 4-9 us of a ~45 us load p50 here, A/B in one run). Nothing waits longer than
+:data:`RELEASE_DELAY_S` for that: the watcher sends what no request took by then (it
+sleeps with that timeout while tokens wait, and without one when none do). A pin held
+that long only keeps its object from being evicted; the bytes were copied before the
+load returned.
+
 The connection's failure is stored once (``broken``) and every raise gets a fresh copy
 of it: a raised exception collects a traceback whose frames hold the session, and a
 client that keeps the exception would keep the session -- and its pool mapping --
@@ -37,7 +46,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ems.client.channel import Channel, Timeout, bad_reply, io_error, probe
 from ems.client.lease import Lease
@@ -47,7 +56,7 @@ from ems.protocol import encode, encode_wire
 from ems.protocol import messages as m
 from ems.protocol.connection import LATE, ClientConnection, undo_late
 
-__all__ = ["LIVENESS_S", "POST_WAIT_S", "Session", "Timeout", "bad_reply", "fresh",
+__all__ = ["LIVENESS_S", "POST_WAIT_S", "RELEASE_DELAY_S", "Outstanding", "Session", "Timeout", "bad_reply", "fresh",
            "io_error", "probe"]
 
 _monotonic = time.monotonic
@@ -59,6 +68,9 @@ logger = logging.getLogger(__name__)
 LIVENESS_S = 30.0
 #: Longest a one-way message (release, abort, return) waits to be sent.
 POST_WAIT_S = 0.1
+#: Longest a load's pins wait to be given back with a later frame (then the watcher
+#: sends them alone).
+RELEASE_DELAY_S = 0.002
 #: Longest the watcher reads for replies nobody waits for before it looks again
 #: whether a waiter could read instead.
 _WATCH_SLICE_S = 0.05
@@ -68,6 +80,13 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux; elsewhere POLLHUP st
 def fresh(exc: EmsException) -> EmsException:
     """A copy of ``exc`` without a traceback (see the module docstring)."""
     return type(exc)(exc.status_code(), exc.message())
+
+
+class Outstanding(NamedTuple):
+    waiting: int  #: requests waited for
+    late: int  #: requests given up on whose replies are still due
+    reading: bool  #: a thread reads the socket now
+    unreleased: int  #: pins to give back with the next frame
 
 
 class _Waiter:
@@ -128,6 +147,11 @@ class Session:
         self._reading = False  # a leader reads the socket (only it may)
         self._hangup = False  # the watcher saw the daemon hang up
         self._watcher_waits = False  # for _lead_free
+        # Pins to give back with the next frame (see the module docstring), under
+        # _send_lock; since when the oldest waits; whether the watcher sleeps untimed.
+        self._unreleased: list[int] = []
+        self._unreleased_at = 0.0
+        self._watcher_parked = False
         self._wake_r, self._wake_w = os.pipe()  # wakes the watcher (O_CLOEXEC)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -217,11 +241,12 @@ class Session:
                     raise Timeout("no reply within the deadline")
                 return reply  # came just as the wait ended
 
-    def outstanding(self) -> tuple[int, int, bool]:
-        """(requests waited for, requests given up whose replies are still due, whether
-        a thread reads the socket now): all zero / False when the session is idle."""
+    def outstanding(self) -> Outstanding:
+        """What this connection has in flight (all zero / False when it is idle)."""
         with self._lock:
-            return len(self._proto.pending), len(self._proto.orphans), self._reading
+            waiting, late, reading = (len(self._proto.pending), len(self._proto.orphans),
+                                      self._reading)
+        return Outstanding(waiting, late, reading, len(self._unreleased))
 
     def _hand_off_locked(self) -> None:
         """Nobody reads now: give the socket to the oldest waiter, or to the watcher
@@ -314,19 +339,53 @@ class Session:
             except EmsException:
                 pass
 
+    def release(self, tokens: list[int]) -> None:
+        """Give back a load's pins with the next frame, within :data:`RELEASE_DELAY_S`
+        (at once when a request's worth is waiting)."""
+        if not tokens or self.broken is not None:
+            return
+        wake = False
+        with self._send_lock:
+            if not self._unreleased:
+                self._unreleased_at = _monotonic()
+                wake = self._watcher_parked
+            self._unreleased += tokens
+            now = len(self._unreleased) >= self.max_keys
+        if now:
+            self.flush_releases()
+        elif wake:  # (only after an idle time: a timed watcher looks by itself)
+            self._wake_watcher()
+
+    def flush_releases(self) -> None:
+        """Send the waiting releases now (a frame of their own)."""
+        while True:
+            with self._send_lock:
+                if not self._unreleased:
+                    return
+                tokens = self._unreleased[:self.max_keys]
+                del self._unreleased[:self.max_keys]
+            self.post(m.Release.wire(tokens=tokens))
+
     def _send(self, data: bytes, deadline: float) -> None:
         """Send one whole frame by ``deadline`` (a monotonic time), else raise
         :class:`Timeout`: with the connection as it was when no byte went out, failed
-        when part of the frame did (see the module docstring)."""
+        when part of the frame did (see the module docstring). Waiting releases go in
+        front of it, in the same ``send``."""
         if not self._send_lock.acquire(timeout=max(0.0, deadline - _monotonic())):
             raise Timeout("another sender holds the socket")
+        carried: list[int] = []
         try:
             if self.broken is not None:
                 raise fresh(self.broken)
+            if self._unreleased and len(self._unreleased) <= self.max_keys:
+                carried, self._unreleased = self._unreleased, []
+                data = encode_wire(m.Release.wire(tokens=carried)) + data
             self.channel.send(data, deadline)
         except Timeout as exc:
             if exc.partial:
                 self.fail(io_error(exc.message()))
+            elif carried:  # nothing went out: they wait for the next frame
+                self._unreleased[:0] = carried
             raise
         except EmsException as exc:
             self.fail(exc)
@@ -354,6 +413,19 @@ class Session:
                     lead = (bool(proto.orphans) and not proto.pending) or self._hangup
                     if lead:
                         self._reading = True
+                timeout_ms = -1
+                # (the send lock is never taken under the session lock; a sender that
+                # holds it, waiting for a frozen daemon, only makes this look again)
+                if not lead and self._send_lock.acquire(timeout=RELEASE_DELAY_S):
+                    try:
+                        if self._unreleased:
+                            due = self._unreleased_at + RELEASE_DELAY_S - _monotonic()
+                            timeout_ms = max(0, math.ceil(due * 1000))
+                        self._watcher_parked = timeout_ms < 0
+                    finally:
+                        self._send_lock.release()
+                elif not lead:
+                    timeout_ms = math.ceil(RELEASE_DELAY_S * 1000)
                 if lead:
                     try:
                         self._read(None, _monotonic() + _WATCH_SLICE_S)
@@ -362,7 +434,10 @@ class Session:
                             self._reading = False
                             self._hand_off_locked()
                     continue
-                for fd, _events in poller.poll():
+                if timeout_ms == 0:
+                    self.flush_releases()
+                    continue
+                for fd, _events in poller.poll(timeout_ms):
                     if fd == self._wake_r:
                         try:
                             os.read(self._wake_r, 4096)
