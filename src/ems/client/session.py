@@ -56,8 +56,8 @@ from ems.protocol import encode, encode_wire
 from ems.protocol import messages as m
 from ems.protocol.connection import LATE, ClientConnection, undo_late
 
-__all__ = ["LIVENESS_S", "POST_WAIT_S", "RELEASE_DELAY_S", "Outstanding", "Session", "Timeout", "bad_reply", "fresh",
-           "io_error", "probe"]
+__all__ = ["LIVENESS_S", "POST_WAIT_S", "RELEASE_DELAY_S", "Outstanding", "Session",
+           "Timeout", "bad_reply", "fresh", "io_error", "probe"]
 
 _monotonic = time.monotonic
 _yield = os.sched_yield
