@@ -293,7 +293,7 @@ class ContextCaching:
         finally:
             with self._lock:
                 self._inline -= 1
-                if self._inline == 0:
+                if self._inline == 0 and self._closed:  # close() waits for this
                     self._idle.notify_all()
         return task.wait()
 

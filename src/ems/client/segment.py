@@ -17,11 +17,10 @@ two pools' worth of shared memory.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 
@@ -43,24 +42,28 @@ class Segment:
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False
+        self._use = _Use(self)
 
-    @contextlib.contextmanager
-    def use(self) -> Iterator["Segment"]:
-        """Hold the mapping for a copy (raises ``EMS_IO_ERROR`` once it is unmapped)."""
+    def use(self) -> "_Use":
+        """``with segment.use():`` holds the mapping for a copy (raises ``EMS_IO_ERROR``
+        once it is unmapped). A plain object with ``__enter__``/``__exit__``: a
+        ``contextlib.contextmanager`` generator cost ~1.5 us per call of a ~12 us save."""
+        return self._use
+
+    def _enter(self) -> None:
         with self._lock:
             if self._mm is None:
                 raise EmsException(EmsErrorCode.EMS_IO_ERROR,
                                    "the pool memory of a lost ems-server connection was "
                                    "released; retry the call")
             self._users += 1
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._users -= 1
-                last = self._retired and self._users == 0
-            if last:
-                self.close()
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._retired and self._users == 0
+        if last:
+            self.close()
 
     def retire(self) -> None:
         """Unmap as soon as no copy uses the mapping (now, when none does)."""
@@ -108,3 +111,19 @@ class Segment:
                 mm.close()
             except BufferError:  # a tensor view is still alive somewhere: let GC unmap
                 pass
+
+
+class _Use:
+    """What ``Segment.use()`` returns (one per segment, reused)."""
+
+    __slots__ = ("_segment",)
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+
+    def __enter__(self) -> Segment:
+        self._segment._enter()
+        return self._segment
+
+    def __exit__(self, *exc: object) -> None:
+        self._segment._exit()
