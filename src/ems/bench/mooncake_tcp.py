@@ -44,7 +44,11 @@ import numpy as np
 
 from ems.bench.procs import Service
 from ems.bench.systems import (
-    BenchError, System, Unavailable, _mooncake_dir, start_mooncake_master,
+    BenchError,
+    System,
+    Unavailable,
+    _mooncake_dir,
+    start_mooncake_master,
 )
 
 __all__ = ["MooncakeTcpSystem", "main"]

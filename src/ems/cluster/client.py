@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 from ems.cluster import value
 from ems.cluster.keys import hash_slot
 from ems.cluster.resp import ErrorReply, Reader, RespError, command, send_parts, set_parts
-from ems.cluster.topology import Addr, ClusterSettings, SlotMap
+from ems.cluster.topology import Addr, ClusterSettings, SlotMap, tls_context
 
 __all__ = ["ClusterClient", "Op"]
 
@@ -84,9 +84,7 @@ class ClusterClient:
         self._refresh_lock = threading.Lock()
         self._executors: dict[Addr, ThreadPoolExecutor] = {}
         self._conns: dict[Addr, _Conn] = {}  # each used only by its node's thread
-        self._ssl: Optional[ssl.SSLContext] = None
-        if settings.tls:
-            self._ssl = ssl.create_default_context(cafile=settings.ca_file)
+        self._ssl: Optional[ssl.SSLContext] = tls_context(settings)
         self._closed = False
         self.down_logged = False
         #: MOVED and ASK answers followed (stats)
@@ -265,6 +263,7 @@ class ClusterClient:
         s = self.slots
         candidates = [a for a in s.known() if s.usable(a, time.monotonic())]
         candidates += [a for a in self.settings.seeds if a not in candidates]
+        why = "no node tried"
         for addr in candidates:
             if time.monotonic() >= deadline:
                 break
@@ -276,8 +275,9 @@ class ClusterClient:
                 finally:
                     sock.close()
             except (OSError, RespError) as exc:
-                logger.debug("ems cluster: CLUSTER SLOTS from %s:%d failed: %s",
-                             addr[0], addr[1], exc)
+                why = f"CLUSTER SLOTS: {type(exc).__name__}: {exc}"
+                logger.debug("ems cluster: %s:%d: %s", addr[0], addr[1], why)
+                s.failed(addr, why)  # a failing node (a TLS or AUTH refusal: in its row)
                 continue
             if isinstance(reply, list) and reply:
                 covered = s.load(reply)
@@ -287,8 +287,8 @@ class ClusterClient:
                 return True
         s.refreshed_at = time.monotonic()
         if not self.down_logged:
-            logger.warning("ems cluster: no node answers; the local tier serves alone until "
-                           "one does")
+            logger.warning("ems cluster: no node answers (last: %s); the local tier serves "
+                           "alone until one does", why)
             self.down_logged = True
         return False
 

@@ -503,7 +503,8 @@ def start(config: Any, wake: Callable[[], None], reply: Callable[..., None],
     """The tier of a daemon's ``config`` (``cluster`` set); raises ``DaemonError``-worthy
     RuntimeError when it cannot run (the checksum package missing)."""
     from ems.cluster.topology import parse_url
-    settings = parse_url(config.cluster, config.cluster_ca_file)
+    settings = parse_url(config.cluster, config.cluster_ca_file,
+                         config.cluster_cert_file, config.cluster_key_file)
     if config.cluster_password:
         settings = dataclasses.replace(settings, password=config.cluster_password)
     tier = ClusterTier(settings, wake, reply, lease,
