@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _pids(system) -> list[int]:
-    return [system._master.pid, system.a.service.pid, system.b.service.pid]
+    store = [system._store.pid] if system._store is not None else []
+    return [system._master.pid, system.a.service.pid, system.b.service.pid, *store]
 
 
 def _gone(pid: int) -> bool:
@@ -32,18 +33,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _system(tmp_path):
+def _system(tmp_path, layout: str = "host-a"):
     from ems.bench.mooncake_tcp import MooncakeTcpSystem
     from ems.bench.systems import Unavailable
     try:
-        return MooncakeTcpSystem(str(tmp_path), 64 << 20)
+        return MooncakeTcpSystem(str(tmp_path), 64 << 20, layout=layout)
     except Unavailable as exc:
         pytest.skip(f"mooncake-tcp cannot run here: {exc}")
 
 
-def test_host_b_loads_what_host_a_saved_bit_exact_and_every_process_stops(tmp_path):
-    system = _system(tmp_path)
+@pytest.mark.parametrize("layout", ["host-a", "store-node"])
+def test_host_b_loads_what_host_a_saved_bit_exact_and_every_process_stops(tmp_path, layout):
+    system = _system(tmp_path, layout)
     pids = _pids(system)
+    assert len(pids) == (4 if layout == "store-node" else 3)
     try:
         n, size = 8, 256 << 10
         src = system.alloc(n * size).reshape(n, size)

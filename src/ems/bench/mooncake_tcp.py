@@ -1,6 +1,7 @@
-"""Mooncake Store over TCP between two processes: the cross-host peer (``mooncake-tcp``).
+"""Mooncake Store over TCP between processes: the cross-host peers (``mooncake-tcp``,
+``mooncake-tcp-node``).
 
-The layout is the one Mooncake runs across hosts, with both "hosts" on 127.0.0.1::
+The layout is the one Mooncake runs across hosts, with every "host" on 127.0.0.1::
 
     bench process --control (unix socket, memfd passed once)--+--> host A worker
           |  caller memory: memfds mapped here and in each    |    real client, protocol
@@ -20,9 +21,18 @@ comes from A's segment through Mooncake's TCP transport (B reads from A's
 workload (save on A, load on B, nothing of the value on B before the load); the bench
 process checks the loaded bytes because B's buffers are memfds it maps too.
 
+Two layouts (:data:`LAYOUTS`), two rows:
+
+* ``mooncake-tcp`` (``host-a``): A's client owns the only segment, as above. The
+  value crosses the network once, in the load; A's save is a local write.
+* ``mooncake-tcp-node`` (``store-node``): a third process, ``mooncake_client`` with
+  protocol "tcp", owns the only segment (a storage node, as a Valkey node is for
+  ems); A and B have none. A save crosses TCP to the store node and a load crosses
+  back, as ems-cluster's save (A -> the home node) and load (home node -> B) do.
+
 Each call costs one control round trip (a JSON frame of the keys, a few tens of us
 against the milliseconds of a batch) on top of Mooncake's own work; the timing is the
-bench's, around that round trip. Every process (master, A, B) is a
+bench's, around that round trip. Every process (master, A, B, the store node) is a
 :class:`ems.bench.procs.Service`: stopped by PID on :meth:`MooncakeTcpSystem.close`, on
 a setup failure and at exit. A worker exits by itself when its control socket closes.
 """
@@ -42,12 +52,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ems.bench.procs import Service
+from ems.bench.procs import Service, free_port, wait_for
 from ems.bench.systems import (
     BenchError,
     System,
     Unavailable,
     _mooncake_dir,
+    _tcp_open,
     start_mooncake_master,
 )
 
@@ -168,13 +179,25 @@ class _Worker:
             self.service = None
 
 
+#: Where the values live: on host A (a save is A's local write, a load crosses the
+#: network once), or on a third process that only stores, as a Valkey node does (a
+#: save crosses the network to it, a load crosses back: what ems-cluster's rows do).
+LAYOUTS = {"host-a": "mooncake-tcp", "store-node": "mooncake-tcp-node"}
+
+
 class MooncakeTcpSystem(System):
     """Save through host A's store, load through host B's, over Mooncake's TCP transport."""
 
     name, kind = "mooncake-tcp", "peer"
 
-    def __init__(self, work_dir: str, capacity_bytes: int, timeout_s: float = 30.0) -> None:
-        _mooncake_dir()
+    def __init__(self, work_dir: str, capacity_bytes: int, timeout_s: float = 30.0,
+                 layout: str = "host-a") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.name, self.layout = LAYOUTS[layout], layout
+        work_dir = os.path.join(work_dir, self.name)
+        os.makedirs(work_dir, exist_ok=True)
+        mdir = _mooncake_dir()
         try:
             import mooncake.store  # noqa: F401 - fails without libibverbs
         except Exception as exc:  # noqa: BLE001 - reported as the reason
@@ -186,6 +209,7 @@ class MooncakeTcpSystem(System):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         self.capacity_bytes = capacity_bytes
         self._master: Optional[Service] = None
+        self._store: Optional[Service] = None
         self.a: Optional[_Worker] = None
         self.b: Optional[_Worker] = None
         self._regions: list[tuple[int, int, int]] = []  # (address, nbytes, id)
@@ -195,7 +219,21 @@ class MooncakeTcpSystem(System):
                 self._master, address = start_mooncake_master(work_dir, env, timeout_s)
             except RuntimeError as exc:
                 raise Unavailable(str(exc)) from None
-            self.a = _Worker("a", work_dir, address, capacity_bytes, env, timeout_s)
+            a_segment = capacity_bytes
+            if layout == "store-node":
+                a_segment, port = 0, free_port()
+                self._store = Service("mooncake_client (store node)", [
+                    os.path.join(mdir, "mooncake_client"), "--host=127.0.0.1",
+                    f"--port={port}", f"--global_segment_size={capacity_bytes}",
+                    "--local_buffer_size=16MB", "--protocol=tcp",
+                    f"--master_server_address={address}", "--metadata_server=P2PHANDSHAKE",
+                ], os.path.join(work_dir, "mooncake_store_node.log"), env=env)
+                try:
+                    wait_for("mooncake_client (store node)", lambda: _tcp_open(port),
+                             self._store, timeout_s)
+                except RuntimeError as exc:
+                    raise Unavailable(str(exc)) from None
+            self.a = _Worker("a", work_dir, address, a_segment, env, timeout_s)
             self.b = _Worker("b", work_dir, address, 0, env, timeout_s)
         except BaseException:
             self.close()
@@ -266,16 +304,22 @@ class MooncakeTcpSystem(System):
         self.reset()
 
     def info(self) -> dict[str, Any]:
-        return {"path": "two processes, protocol 'tcp' on 127.0.0.1: host A's real client "
-                        "owns the only segment (batch_put_from); host B's real client has "
-                        "none (batch_get_into over Mooncake's TCP transport)",
-                "global_segment_bytes": self.capacity_bytes}
+        where = ("host A's real client owns the only segment (batch_put_from writes "
+                 "locally)" if self.layout == "host-a" else
+                 "a mooncake_client store node owns the only segment (host A's "
+                 "batch_put_from crosses TCP to it)")
+        return {"path": f"protocol 'tcp' on 127.0.0.1: {where}; host B's real client has "
+                        f"none (batch_get_into over Mooncake's TCP transport)",
+                "layout": self.layout, "global_segment_bytes": self.capacity_bytes}
 
     def close(self) -> None:
         for w in (self.b, self.a):
             if w is not None:
                 w.close()
         self.a = self.b = None
+        if self._store is not None:
+            self._store.stop()
+            self._store = None
         if self._master is not None:
             self._master.stop()
             self._master = None

@@ -103,7 +103,8 @@ def targets(ctx: Context) -> list[dict[str, Any]]:
 
 def _cross_host_targets(ctx: Context, add: Any) -> None:
     """Issue 11's cross-host targets for ``ems-cluster`` (V0, values >= 1 MiB, worst
-    case): >= 0.4x limit, >= 3x valkey-py, >= Mooncake over TCP (``mooncake-tcp``)."""
+    case): >= 0.4x limit, >= 3x valkey-py, >= Mooncake over TCP (both layouts,
+    ``mooncake-tcp`` and ``mooncake-tcp-node``: ``ems.bench.mooncake_tcp``)."""
     for op in ("save", "load"):
         big = [r for r in ctx.rows if r.workload == "v0" and r.system == "ems-cluster"
                and r.op == op and (r.value_bytes or 0) >= 1 << 20]
@@ -111,7 +112,8 @@ def _cross_host_targets(ctx: Context, add: Any) -> None:
         add(f"cross-host V0 {op}, values >= 1 MiB, >= 0.4x limit (worst case)",
             "ems-cluster", limit_ratio(ctx, worst) if worst else None, 0.4,
             detail=worst.case if worst else "")
-        for peer, goal in (("valkey-py", 3.0), ("mooncake-tcp", 1.0)):
+        for peer, goal in (("valkey-py", 3.0), ("mooncake-tcp", 1.0),
+                           ("mooncake-tcp-node", 1.0)):
             vs = []
             for r in big:
                 m = next((m for m in ctx.rows if m.system == peer and m.op == op

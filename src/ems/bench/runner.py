@@ -168,19 +168,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _start_mooncake_tcp(ctx: Context, stack: contextlib.ExitStack,
                         peers: dict[str, Any]) -> None:
-    """The cross-host Mooncake row (master + host A + host B); a failure is a problem."""
-    from ems.bench.mooncake_tcp import MooncakeTcpSystem
-    try:
-        system = MooncakeTcpSystem(ctx.work_dir, ctx.params.capacity_bytes)
-    except Unavailable as exc:
-        ctx.problem("mooncake-tcp", "setup", str(exc))
-        return
-    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
-        ctx.problem("mooncake-tcp", "setup", f"{type(exc).__name__}: {exc}")
-        return
-    stack.callback(system.close)
-    ctx.systems[system.name] = system
-    peers[system.name] = system.info()
+    """The cross-host Mooncake rows, one per layout (master + host A + host B, and for
+    ``mooncake-tcp-node`` a store node); a failure is a problem, reported."""
+    from ems.bench.mooncake_tcp import LAYOUTS, MooncakeTcpSystem
+    for layout, name in LAYOUTS.items():
+        try:
+            system = MooncakeTcpSystem(ctx.work_dir, ctx.params.capacity_bytes,
+                                       layout=layout)
+        except Unavailable as exc:
+            ctx.problem(name, "setup", str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            ctx.problem(name, "setup", f"{type(exc).__name__}: {exc}")
+            continue
+        stack.callback(system.close)
+        ctx.systems[system.name] = system
+        peers[system.name] = system.info()
 
 
 def _plot(data: dict[str, Any], path: str) -> Optional[str]:

@@ -36,7 +36,15 @@ from typing import Any, Optional, Sequence
 
 from ems.cluster import value
 from ems.cluster.keys import hash_slot
-from ems.cluster.resp import ErrorReply, Reader, RespError, command, send_parts, set_parts
+from ems.cluster.resp import (
+    NARROW_FILL,
+    ErrorReply,
+    Reader,
+    RespError,
+    command,
+    send_parts,
+    set_parts,
+)
 from ems.cluster.topology import Addr, ClusterSettings, SlotMap, tls_context
 
 __all__ = ["ClusterClient", "Op"]
@@ -44,6 +52,13 @@ __all__ = ["ClusterClient", "Op"]
 logger = logging.getLogger(__name__)
 
 _MAX_NODES = 256
+#: GETs of values at least this large read with narrow fills (``ems.cluster.resp``)
+_NARROW_FROM = 16 << 10
+_BUFFER_ALL = 1 << 30  # no limit: each fill takes what the buffer has room for
+#: The socket timeout (what is left of the deadline) is set again after this long: a
+#: settimeout per reply is an ioctl per key (~3% of a 256 KiB batch's reads here),
+#: and a read may then overrun the deadline by at most this much.
+_REARM_S = 0.001
 
 
 class Op:
@@ -139,6 +154,7 @@ class ClusterClient:
                 conn = self._conns[addr] = _Conn(self._connect(addr, deadline))
             sock, reader = conn.sock, conn.reader
             _timeout(sock, deadline)
+            armed = time.monotonic()  # when the timeout was last set
             parts: list[Any] = []
             asking_cmd = command("ASKING") if asking else b""
             for op in ops:
@@ -155,10 +171,19 @@ class ClusterClient:
             sent = send_parts(sock, parts) if self._ssl is None else _send_tls(sock, parts)
             got = 0
             for op in ops:
-                _timeout(sock, deadline)
+                now = time.monotonic()
+                if now >= deadline:
+                    raise socket.timeout("past the request's deadline")
+                if now - armed > _REARM_S:  # not a settimeout syscall per reply
+                    _timeout(sock, deadline)
+                    armed = now
                 if asking:
                     reader.reply()  # +OK
+                # a large value goes from the socket into its target, not via the buffer
+                reader.fill_limit = (NARROW_FILL if op.kind == "get" and op.size >= _NARROW_FROM
+                                     else _BUFFER_ALL)
                 got += self._read_reply(reader, op, addr)
+            reader.fill_limit = _BUFFER_ALL
             h.ops += len(ops)
             h.bytes_out += sent
             h.bytes_in += got

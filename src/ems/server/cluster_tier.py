@@ -399,7 +399,8 @@ class ClusterTier:
         pool: Pool = tenant.pool
         through = [i for i, e in enumerate(entries) if e is not None and not e[3]]
         sends = [entries[i] for i in through]  # (key, offset, size, write_rcache)
-        local = [i for i in range(len(tokens)) if i not in set(through)]
+        through_set = set(through)
+        local = [i for i in range(len(tokens)) if i not in through_set]
         ok = [False] * len(tokens)
         for i, good in zip(local, pool.commit([tokens[i] for i in local], conn.id)):
             ok[i] = good
