@@ -244,6 +244,10 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
                             f"under 65536")
     os.makedirs(directory, exist_ok=True)
     binary = binary or server_binary()
+    if tls is not None:  # the nodes chdir to their own dirs: relative paths would break
+        tls = dataclasses.replace(tls, cert_file=os.path.abspath(tls.cert_file),
+                                  key_file=os.path.abspath(tls.key_file),
+                                  ca_file=os.path.abspath(tls.ca_file))
     started: list[Node] = []
     try:
         cluster = LocalCluster(os.path.abspath(directory), started, password, tls)
