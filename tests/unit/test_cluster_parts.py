@@ -87,6 +87,75 @@ def test_reader_parses_replies_and_reads_bulk_into_given_memory():
     sock.close()
 
 
+class _CountingSocket:
+    """A socket that records each recv_into: into the reader's own buffer or not, and
+    how many bytes it took."""
+
+    def __init__(self, sock):
+        self.sock, self.reads, self.buffer = sock, [], None
+
+    def recv_into(self, view, nbytes=0):
+        n = self.sock.recv_into(view, nbytes)
+        self.reads.append((view.obj is self.buffer, len(view), n))
+        return n
+
+
+def _read_values(fill_limit: int):
+    values = [bytes([i]) * (300_000 + i) for i in range(3)]
+    data = b"".join(b"$%d\r\n" % len(v) + v + b"\r\n" for v in values[:2])
+    data += b"$-1\r\n-MOVED 1 127.0.0.1:7000\r\n$%d\r\n" % len(values[2]) + values[2] + b"\r\n"
+    raw, t = _serve(data)
+    sock = _CountingSocket(raw)
+    r = Reader(sock, size=64 << 10)  # type: ignore[arg-type]
+    sock.buffer = r._buf
+    r.fill_limit = fill_limit
+    got = []
+    for expect in ("value", "value", None, "MOVED", "value"):
+        n, other = r.head()
+        if expect is None:
+            assert n == -1
+        elif expect == "MOVED":
+            assert n == -2 and other.startswith("MOVED")
+        else:
+            target = bytearray(n)
+            r.read_into(memoryview(target))
+            r.crlf()
+            got.append(bytes(target))
+    t.join()
+    raw.close()
+    return values, got, sock.reads
+
+
+def test_narrow_fills_leave_large_values_in_the_socket_for_their_target():
+    from ems.cluster.resp import NARROW_FILL
+    values, got, reads = _read_values(NARROW_FILL)
+    assert got == values  # bit-exact through narrow fills
+    into_buffer = [(asked, n) for mine, asked, n in reads if mine]
+    assert into_buffer and all(asked <= NARROW_FILL for asked, _ in into_buffer)
+    # what went through the buffer (and was copied a second time): a few lines and
+    # headers, not the values
+    assert sum(n for _, n in into_buffer) <= 8 * NARROW_FILL
+    wide_values, wide_got, wide_reads = _read_values(64 << 10)
+    assert wide_got == wide_values
+    assert sum(n for mine, _, n in wide_reads if mine) > 16 * NARROW_FILL  # the old way
+
+
+def test_skip_reads_whole_buffers_even_with_narrow_fills():
+    from ems.cluster.resp import NARROW_FILL
+    body = b"z" * 200_000
+    raw, t = _serve(b"$%d\r\n" % len(body) + body + b"\r\n+OK\r\n")
+    sock = _CountingSocket(raw)
+    r = Reader(sock, size=64 << 10)  # type: ignore[arg-type]
+    r.fill_limit = NARROW_FILL
+    n, _ = r.head()
+    r.skip(n)  # a foreign value of another size: dropped in buffer-sized reads
+    r.crlf()
+    assert r.reply() == "OK"
+    assert len(sock.reads) < 40, sock.reads  # 200 kB in 64-byte reads would be ~3000
+    t.join()
+    raw.close()
+
+
 def test_reader_refuses_what_is_not_resp():
     sock, t = _serve(b"HTTP/1.1 200 OK\r\n")
     with pytest.raises(RespError):

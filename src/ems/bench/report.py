@@ -84,6 +84,7 @@ def targets(ctx: Context) -> list[dict[str, Any]]:
             add(f"V1 (block 16 and 128) {op} >= 0.9x limit (worst case)", system,
                 limit_ratio(ctx, worst) if worst else None, 0.9,
                 detail=worst.case if worst else "")
+    _cross_host_targets(ctx, add)
     for system, goal in (("ems-daemon", 40.0), ("ems-embedded", 15.0)):
         for op in ("save", "load"):
             lat = _lat(ctx, system, op)
@@ -98,6 +99,31 @@ def targets(ctx: Context) -> list[dict[str, Any]]:
         add(f"{procs or 4} processes together, {op} >= 0.8x memcpy ({procs or 4} processes)",
             "ems-daemon", ratio(ctx, found) if found else None, 0.8, unit="x memcpy")
     return out
+
+
+def _cross_host_targets(ctx: Context, add: Any) -> None:
+    """Issue 11's cross-host targets for ``ems-cluster`` (V0, values >= 1 MiB, worst
+    case): >= 0.4x limit, >= 3x valkey-py, >= Mooncake over TCP (both layouts,
+    ``mooncake-tcp`` and ``mooncake-tcp-node``: ``ems.bench.mooncake_tcp``)."""
+    for op in ("save", "load"):
+        big = [r for r in ctx.rows if r.workload == "v0" and r.system == "ems-cluster"
+               and r.op == op and (r.value_bytes or 0) >= 1 << 20]
+        worst = min(big, key=lambda r: limit_ratio(ctx, r) or 0.0, default=None)
+        add(f"cross-host V0 {op}, values >= 1 MiB, >= 0.4x limit (worst case)",
+            "ems-cluster", limit_ratio(ctx, worst) if worst else None, 0.4,
+            detail=worst.case if worst else "")
+        for peer, goal in (("valkey-py", 3.0), ("mooncake-tcp", 1.0),
+                           ("mooncake-tcp-node", 1.0)):
+            vs = []
+            for r in big:
+                m = next((m for m in ctx.rows if m.system == peer and m.op == op
+                          and m.workload == "v0" and m.case == r.case), None)
+                if m is not None and m.gbps > 0:
+                    vs.append((r.gbps / m.gbps, r.case))
+            w = min(vs, default=None)
+            add(f"cross-host V0 {op}, values >= 1 MiB, >= {goal:g}x {peer} (worst case)",
+                "ems-cluster", w[0] if w else None, goal, unit=f"x {peer}",
+                detail=w[1] if w else "")
 
 
 def _fmt(x: Optional[float], spec: str = ".2f") -> str:

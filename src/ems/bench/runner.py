@@ -48,10 +48,12 @@ from ems.bench.workloads import WORKLOADS, Context, Params, max_batch_bytes, run
 
 __all__ = ["main", "SYSTEMS", "PEERS"]
 
-SYSTEMS = ("memcpy", "ems-embedded", "ems-daemon", "mooncake", "redis", "lmcache", "cluster")
-#: "cluster": ems across two simulated hosts on a local Valkey Cluster, and valkey-py on
-#: the same cluster (ems.bench.cluster; needs the cluster extra)
-PEERS = ("mooncake", "redis", "lmcache", "cluster")
+SYSTEMS = ("memcpy", "ems-embedded", "ems-daemon", "mooncake", "redis", "lmcache", "cluster",
+           "mooncake-tcp")
+#: "cluster": ems across two simulated hosts on a local Valkey Cluster, valkey-py on the
+#: same cluster (ems.bench.cluster; needs the cluster extra) and Mooncake Store over TCP
+#: between two processes ("mooncake-tcp", ems.bench.mooncake_tcp; also on its own)
+PEERS = ("mooncake", "redis", "lmcache", "cluster", "mooncake-tcp")
 _ALIASES = {"embedded": "ems-embedded", "daemon": "ems-daemon", "server": "ems-daemon",
             "ems-server": "ems-daemon"}
 
@@ -164,6 +166,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if ctx.rows else 1
 
 
+def _start_mooncake_tcp(ctx: Context, stack: contextlib.ExitStack,
+                        peers: dict[str, Any]) -> None:
+    """The cross-host Mooncake rows, one per layout (master + host A + host B, and for
+    ``mooncake-tcp-node`` a store node); a failure is a problem, reported."""
+    from ems.bench.mooncake_tcp import LAYOUTS, MooncakeTcpSystem
+    for layout, name in LAYOUTS.items():
+        try:
+            system = MooncakeTcpSystem(ctx.work_dir, ctx.params.capacity_bytes,
+                                       layout=layout)
+        except Unavailable as exc:
+            ctx.problem(name, "setup", str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            ctx.problem(name, "setup", f"{type(exc).__name__}: {exc}")
+            continue
+        stack.callback(system.close)
+        ctx.systems[system.name] = system
+        peers[system.name] = system.info()
+
+
 def _plot(data: dict[str, Any], path: str) -> Optional[str]:
     from ems.bench.plot import plot
     return plot(data, path)
@@ -226,8 +248,13 @@ def _start_systems(ctx: Context, stack: contextlib.ExitStack, want: list[str],
                     stack.callback(peer.close)
                 except Unavailable as exc:
                     ctx.problem("valkey-py", "setup", str(exc))
+                if "mooncake-tcp" not in want:  # the cross-host peer runs with it
+                    _start_mooncake_tcp(ctx, stack, peers)
                 system = CrossHostSystem(hosts, p.capacity_bytes)
                 name = system.name
+            elif name == "mooncake-tcp":
+                _start_mooncake_tcp(ctx, stack, peers)
+                continue
             else:  # pragma: no cover - _names filters
                 continue
         except Unavailable as exc:

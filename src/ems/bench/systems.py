@@ -40,6 +40,7 @@ __all__ = [
     "BenchError", "Unavailable", "System", "MemcpySystem", "LimitSystem", "LIMITS",
     "EmsSystem", "MooncakeSystem",
     "RedisSystem", "EmsDaemon", "MooncakeService", "RedisService", "touched",
+    "start_mooncake_master",
     "lmcache_unavailable_reason",
 ]
 
@@ -304,16 +305,11 @@ class MooncakeService:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
         os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # for our own dummy clients
         self.services: list[Service] = []
-        rpc, metrics, port = free_port(), free_port(), free_port()
-        self.master_address = f"127.0.0.1:{rpc}"
+        port = free_port()
         self.client_address = f"127.0.0.1:{port}"
         try:
-            master = Service("mooncake_master", [
-                os.path.join(mdir, "mooncake_master"), "--rpc_address=127.0.0.1",
-                f"--rpc_port={rpc}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-            ], os.path.join(log_dir, "mooncake_master.log"), env=env)
+            master, self.master_address = start_mooncake_master(log_dir, env, timeout_s)
             self.services.append(master)
-            wait_for("mooncake_master", lambda: _tcp_open(rpc), master, timeout_s)
             client = Service("mooncake_client", [
                 os.path.join(mdir, "mooncake_client"), "--host=127.0.0.1", f"--port={port}",
                 f"--global_segment_size={capacity_bytes}", "--local_buffer_size=64MB",
@@ -336,6 +332,23 @@ class MooncakeService:
         for s in reversed(self.services):
             s.stop()
         self.services.clear()
+
+
+def start_mooncake_master(log_dir: str, env: dict[str, str],
+                          timeout_s: float = 30.0) -> tuple[Service, str]:
+    """``mooncake_master`` on 127.0.0.1 (RPC and metrics ports free a moment ago), ready;
+    returns the service and its RPC address. RuntimeError (with its log) if it fails."""
+    rpc, metrics = free_port(), free_port()
+    master = Service("mooncake_master", [
+        os.path.join(_mooncake_dir(), "mooncake_master"), "--rpc_address=127.0.0.1",
+        f"--rpc_port={rpc}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
+    ], os.path.join(log_dir, "mooncake_master.log"), env=env)
+    try:
+        wait_for("mooncake_master", lambda: _tcp_open(rpc), master, timeout_s)
+    except BaseException:
+        master.stop()
+        raise
+    return master, f"127.0.0.1:{rpc}"
 
 
 def _tcp_open(port: int) -> bool:

@@ -36,14 +36,30 @@ from typing import Any, Optional, Sequence
 
 from ems.cluster import value
 from ems.cluster.keys import hash_slot
-from ems.cluster.resp import ErrorReply, Reader, RespError, command, send_parts, set_parts
-from ems.cluster.topology import Addr, ClusterSettings, SlotMap
+from ems.cluster.resp import (
+    NARROW_FILL,
+    ErrorReply,
+    Reader,
+    RespError,
+    command,
+    send_parts,
+    set_parts,
+)
+from ems.cluster.topology import Addr, ClusterSettings, SlotMap, tls_context
 
 __all__ = ["ClusterClient", "Op"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_NODES = 256
+#: GETs of values at least this large read with narrow fills (``ems.cluster.resp``)
+_NARROW_FROM = 16 << 10
+_BUFFER_ALL = 1 << 30  # no limit: each fill takes what the buffer has room for
+#: The socket timeout (what is left of the deadline) is set again after this long: a
+#: settimeout per reply is an ioctl per key (py-spy on a daemon loading 256 KiB
+#: values: 40 samples in it against 457 in recv_into), and a read may then overrun
+#: the deadline by at most this much.
+_REARM_S = 0.001
 
 
 class Op:
@@ -84,9 +100,7 @@ class ClusterClient:
         self._refresh_lock = threading.Lock()
         self._executors: dict[Addr, ThreadPoolExecutor] = {}
         self._conns: dict[Addr, _Conn] = {}  # each used only by its node's thread
-        self._ssl: Optional[ssl.SSLContext] = None
-        if settings.tls:
-            self._ssl = ssl.create_default_context(cafile=settings.ca_file)
+        self._ssl: Optional[ssl.SSLContext] = tls_context(settings)
         self._closed = False
         self.down_logged = False
         #: MOVED and ASK answers followed (stats)
@@ -141,6 +155,7 @@ class ClusterClient:
                 conn = self._conns[addr] = _Conn(self._connect(addr, deadline))
             sock, reader = conn.sock, conn.reader
             _timeout(sock, deadline)
+            armed = time.monotonic()  # when the timeout was last set
             parts: list[Any] = []
             asking_cmd = command("ASKING") if asking else b""
             for op in ops:
@@ -157,10 +172,19 @@ class ClusterClient:
             sent = send_parts(sock, parts) if self._ssl is None else _send_tls(sock, parts)
             got = 0
             for op in ops:
-                _timeout(sock, deadline)
+                now = time.monotonic()
+                if now >= deadline:
+                    raise socket.timeout("past the request's deadline")
+                if now - armed > _REARM_S:  # not a settimeout syscall per reply
+                    _timeout(sock, deadline)
+                    armed = now
                 if asking:
                     reader.reply()  # +OK
+                # a large value goes from the socket into its target, not via the buffer
+                reader.fill_limit = (NARROW_FILL if op.kind == "get" and op.size >= _NARROW_FROM
+                                     else _BUFFER_ALL)
                 got += self._read_reply(reader, op, addr)
+            reader.fill_limit = _BUFFER_ALL
             h.ops += len(ops)
             h.bytes_out += sent
             h.bytes_in += got
@@ -265,6 +289,7 @@ class ClusterClient:
         s = self.slots
         candidates = [a for a in s.known() if s.usable(a, time.monotonic())]
         candidates += [a for a in self.settings.seeds if a not in candidates]
+        why = "no node tried"
         for addr in candidates:
             if time.monotonic() >= deadline:
                 break
@@ -276,8 +301,9 @@ class ClusterClient:
                 finally:
                     sock.close()
             except (OSError, RespError) as exc:
-                logger.debug("ems cluster: CLUSTER SLOTS from %s:%d failed: %s",
-                             addr[0], addr[1], exc)
+                why = f"CLUSTER SLOTS: {type(exc).__name__}: {exc}"
+                logger.debug("ems cluster: %s:%d: %s", addr[0], addr[1], why)
+                s.failed(addr, why)  # a failing node (a TLS or AUTH refusal: in its row)
                 continue
             if isinstance(reply, list) and reply:
                 covered = s.load(reply)
@@ -287,8 +313,8 @@ class ClusterClient:
                 return True
         s.refreshed_at = time.monotonic()
         if not self.down_logged:
-            logger.warning("ems cluster: no node answers; the local tier serves alone until "
-                           "one does")
+            logger.warning("ems cluster: no node answers (last: %s); the local tier serves "
+                           "alone until one does", why)
             self.down_logged = True
         return False
 

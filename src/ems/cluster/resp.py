@@ -16,6 +16,12 @@ GB/s (``../shared/notes/peers.md``). So:
   reads it with :meth:`Reader.read_into` into its own memoryview (what is already
   buffered is copied from the read buffer; the rest goes from the socket straight
   into that memory) or skips it (:meth:`Reader.skip`).
+* Between large values the caller narrows the reads into the buffer
+  (:attr:`Reader.fill_limit`): a full-size ``recv`` there takes the next reply's line
+  *and* up to 64 KiB of its value, which then costs a second, user-space copy into
+  the caller's memory (a quarter of the bytes of a 256 KiB value); a narrow one takes
+  the line and the value's header and leaves the value in the socket for
+  ``recv_into`` its target.
 
 Errors: an OSError or ``socket.timeout`` from the socket propagates (the caller owns
 the connection and drops it); a reply that is not RESP raises :class:`RespError`.
@@ -28,13 +34,17 @@ from __future__ import annotations
 import socket
 from typing import Any, Iterable, Sequence, Union
 
-__all__ = ["ErrorReply", "Reader", "RespError", "command", "send_parts", "set_parts"]
+__all__ = ["NARROW_FILL", "ErrorReply", "Reader", "RespError", "command", "send_parts",
+           "set_parts"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
 #: Read buffer: large enough that a pipeline's small replies come in one recv, small
 #: enough that a value's bulk goes mostly straight into the caller's memory.
 _BUFFER = 64 << 10
+#: :attr:`Reader.fill_limit` between large values: the CRLF, the next reply's line
+#: ("$<len>\r\n") and the 32-byte value header fit, little of the value itself.
+NARROW_FILL = 64
 #: At most this many iovecs per sendmsg (Linux IOV_MAX is 1024).
 _IOV_MAX = 512
 
@@ -97,16 +107,20 @@ class Reader:
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
+        #: most bytes one read into the buffer takes (the caller narrows it to
+        #: NARROW_FILL around large values; the module docstring says why)
+        self.fill_limit = size
 
     # ------------------------------------------------------------ low level
-    def _fill(self) -> None:
+    def _fill(self, limit: int = 0) -> None:
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):  # compact what is left to the front
             n = self._end - self._start
             self._view[:n] = self._view[self._start:self._end]
             self._start, self._end = 0, n
-        n = self.sock.recv_into(self._view[self._end:])
+        end = min(len(self._buf), self._end + (limit or self.fill_limit))
+        n = self.sock.recv_into(self._view[self._end:end])
         if n == 0:
             raise ConnectionResetError("the Valkey node closed the connection")
         self._end += n
@@ -141,7 +155,7 @@ class Reader:
         """Drop the next ``n`` bytes of the stream."""
         while n > 0:
             if self._start == self._end:
-                self._fill()
+                self._fill(len(self._buf))  # bytes to drop: as many per recv as fit
             take = min(n, self._end - self._start)
             self._start += take
             n -= take

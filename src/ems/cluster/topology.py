@@ -1,8 +1,11 @@
 """Where each hash slot lives: the cluster's seeds, its slot map, and each node's health.
 
 :func:`parse_url` reads ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]``
-(``valkeys://``: TLS). The slot map comes from ``CLUSTER SLOTS`` of any reachable
-node (:meth:`SlotMap.load`) and is patched by ``MOVED`` answers between refreshes.
+(``valkeys://``: TLS; :func:`tls_context` builds the daemon's TLS context from the CA
+file and, for a cluster that verifies its clients (Redis' and Valkey's default
+``tls-auth-clients yes``), the daemon's own certificate). The slot map comes from
+``CLUSTER SLOTS`` of any reachable node (:meth:`SlotMap.load`) and is patched by
+``MOVED`` answers between refreshes.
 
 Each node has a circuit breaker::
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 import threading
 import time
 import urllib.parse
@@ -29,7 +33,7 @@ from ems.cluster.keys import SLOTS
 from ems.errors import invalid
 
 __all__ = ["Addr", "BREAKER_FAILURES", "BREAKER_OPEN_S", "ClusterSettings", "NodeHealth",
-           "SlotMap", "parse_url"]
+           "SlotMap", "parse_url", "tls_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,10 @@ class ClusterSettings:
     tls: bool = False
     #: CA bundle for TLS (None: the system's)
     ca_file: Optional[str] = None
+    #: the daemon's certificate (PEM; its key too unless ``key_file``) for a cluster
+    #: that verifies its clients (None: no client certificate)
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
     #: bound of a request that has no deadline (timeout=0), and of any one request
     op_timeout_s: float = 2.0
     #: bound of one connect (also within the request's deadline)
@@ -67,9 +75,17 @@ class ClusterSettings:
             raise invalid("cluster needs at least one HOST:PORT seed")
         if not 0 < self.op_timeout_s <= 600 or not 0 < self.connect_timeout_s <= 60:
             raise invalid("cluster timeouts must be > 0 (op <= 600 s, connect <= 60 s)")
+        if not self.tls:
+            given = [n for n in ("ca_file", "cert_file", "key_file") if getattr(self, n)]
+            if given:  # never a silent plain-text connection the user believes is TLS
+                raise invalid(f"cluster_{given[0]} is set but the cluster URL is "
+                              f"valkey:// (plain TCP); use valkeys:// for TLS")
+        if self.key_file and not self.cert_file:
+            raise invalid("cluster_key_file needs cluster_cert_file (the certificate)")
 
 
-def parse_url(url: str, ca_file: Optional[str] = None) -> ClusterSettings:
+def parse_url(url: str, ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+              key_file: Optional[str] = None) -> ClusterSettings:
     """Settings of ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
     TLS). Raises ``EMS_INVALID_ARGUMENT`` naming ``cluster`` and the rule."""
     if not isinstance(url, str) or "://" not in url:
@@ -91,7 +107,30 @@ def parse_url(url: str, ca_file: Optional[str] = None) -> ClusterSettings:
             raise invalid(f"cluster seed {item!r} must be HOST:PORT")
         seeds.append((host.strip("[]"), int(port)))
     return ClusterSettings(tuple(seeds), username, password, scheme in ("valkeys", "rediss"),
-                           ca_file)
+                           ca_file, cert_file, key_file)
+
+
+def tls_context(settings: ClusterSettings) -> Optional[ssl.SSLContext]:
+    """The client TLS context of ``settings`` (None without TLS): the server's
+    certificate verified against ``ca_file`` (or the system's CAs) and its name (or IP
+    address) checked against the seed's host; ``cert_file``/``key_file`` presented when
+    set. A file that cannot be read or parsed is ``EMS_INVALID_ARGUMENT`` naming it."""
+    if not settings.tls:
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=settings.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise invalid(f"cluster_ca_file {settings.ca_file!r} is not a readable PEM CA "
+                      f"bundle: {exc}") from exc
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if settings.cert_file:
+        try:
+            ctx.load_cert_chain(settings.cert_file, settings.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise invalid(f"cluster_cert_file {settings.cert_file!r} / cluster_key_file "
+                          f"{settings.key_file!r} must be a readable PEM certificate and "
+                          f"its key: {exc}") from exc
+    return ctx
 
 
 class NodeHealth:

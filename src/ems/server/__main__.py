@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(valkeys://: TLS; env EMS_CLUSTER; password: EMS_CLUSTER_PASSWORD)")
     p.add_argument("--cluster-ca-file", dest="cluster_ca_file",
                    help="CA bundle for a valkeys:// cluster (env EMS_CLUSTER_CA_FILE)")
+    p.add_argument("--cluster-cert-file", dest="cluster_cert_file",
+                   help="this daemon's TLS certificate (PEM) for a cluster that verifies "
+                        "its clients (env EMS_CLUSTER_CERT_FILE)")
+    p.add_argument("--cluster-key-file", dest="cluster_key_file",
+                   help="its private key, unless in the certificate file "
+                        "(env EMS_CLUSTER_KEY_FILE)")
     p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
                    help="bytes of write-behind in flight at most, e.g. 256M (default)")
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",

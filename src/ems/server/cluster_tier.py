@@ -401,7 +401,8 @@ class ClusterTier:
         pool: Pool = tenant.pool
         through = [i for i, e in enumerate(entries) if e is not None and not e[3]]
         sends = [entries[i] for i in through]  # (key, offset, size, write_rcache)
-        local = [i for i in range(len(tokens)) if i not in set(through)]
+        through_set = set(through)
+        local = [i for i in range(len(tokens)) if i not in through_set]
         ok = [False] * len(tokens)
         for i, good in zip(local, pool.commit([tokens[i] for i in local], conn.id)):
             ok[i] = good
@@ -505,7 +506,8 @@ def start(config: Any, wake: Callable[[], None], reply: Callable[..., None],
     """The tier of a daemon's ``config`` (``cluster`` set); raises ``DaemonError``-worthy
     RuntimeError when it cannot run (the checksum package missing)."""
     from ems.cluster.topology import parse_url
-    settings = parse_url(config.cluster, config.cluster_ca_file)
+    settings = parse_url(config.cluster, config.cluster_ca_file,
+                         config.cluster_cert_file, config.cluster_key_file)
     if config.cluster_password:
         settings = dataclasses.replace(settings, password=config.cluster_password)
     tier = ClusterTier(settings, wake, reply, lease,

@@ -17,6 +17,8 @@ log level              ``--log-level``         ``log_level``           ``EMS_LOG
 busy-poll window       ``--spin-us``           ``spin_us``             ``EMS_SERVER_SPIN_US``
 cluster (shared tier)  ``--cluster``           ``cluster``             ``EMS_CLUSTER``
 cluster TLS CA file    ``--cluster-ca-file``   ``cluster_ca_file``     ``EMS_CLUSTER_CA_FILE``
+cluster TLS client     ``--cluster-cert-file`` ``cluster_cert_file``   ``EMS_CLUSTER_CERT_FILE``
+certificate and key    ``--cluster-key-file``  ``cluster_key_file``    ``EMS_CLUSTER_KEY_FILE``
 cluster password       -                       -                       ``EMS_CLUSTER_PASSWORD``
 write-behind bound     ``--cluster-write-      ``cluster_write_        -
                        behind``                behind``
@@ -82,7 +84,7 @@ _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
               "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
               "metrics_addr", "limits", "cluster", "cluster_ca_file",
-              "cluster_write_behind"}
+              "cluster_cert_file", "cluster_key_file", "cluster_write_behind"}
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -223,6 +225,8 @@ class ServerConfig:
     #: the Valkey Cluster of the shared tier (None: this host only)
     cluster: Optional[str] = dataclasses.field(default=None, repr=False)
     cluster_ca_file: Optional[str] = None
+    cluster_cert_file: Optional[str] = None
+    cluster_key_file: Optional[str] = None
     cluster_password: Optional[str] = dataclasses.field(default=None, repr=False)
     #: bytes of write-behind in flight at most (past it, a save stays local only)
     cluster_write_behind_bytes: int = 256 << 20
@@ -268,8 +272,10 @@ class ServerConfig:
                 raise invalid(f"metrics_addr must be HOST:PORT like 127.0.0.1:9464, got "
                               f"{self.metrics_addr!r}")
         if self.cluster is not None:
-            from ems.cluster.topology import parse_url
-            parse_url(self.cluster, self.cluster_ca_file)  # fails closed, naming cluster
+            from ems.cluster.topology import parse_url, tls_context
+            # fails closed, naming cluster (or the TLS file that cannot be read)
+            tls_context(parse_url(self.cluster, self.cluster_ca_file,
+                                  self.cluster_cert_file, self.cluster_key_file))
         if self.cluster_write_behind_bytes < 0:
             raise invalid(f"cluster_write_behind must be >= 0, got "
                           f"{self.cluster_write_behind_bytes}")
@@ -293,7 +299,9 @@ class ServerConfig:
                          ("EMS_CONTROL", "control"),
                          ("EMS_CONTROL_TOKEN_FILE", "control_token_file"),
                          ("EMS_HOST_NAME", "host_name"), ("EMS_METRICS_ADDR", "metrics_addr"),
-                         ("EMS_CLUSTER", "cluster"), ("EMS_CLUSTER_CA_FILE", "cluster_ca_file")):
+                         ("EMS_CLUSTER", "cluster"), ("EMS_CLUSTER_CA_FILE", "cluster_ca_file"),
+                         ("EMS_CLUSTER_CERT_FILE", "cluster_cert_file"),
+                         ("EMS_CLUSTER_KEY_FILE", "cluster_key_file")):
             if env.get(var):
                 values[key] = _from_env(var, key, env[var])
         if env.get("EMS_CLUSTER_PASSWORD"):  # never a flag: ps would show it
@@ -350,8 +358,9 @@ class ServerConfig:
             kw["control_poll_s"] = v["control_poll_s"]
         if "cluster" in v:
             kw["cluster"] = _str(v["cluster"], "cluster")
-        if "cluster_ca_file" in v:
-            kw["cluster_ca_file"] = _str(v["cluster_ca_file"], "cluster_ca_file")
+        for key in ("cluster_ca_file", "cluster_cert_file", "cluster_key_file"):
+            if key in v:
+                kw[key] = _str(v[key], key)
         if "cluster_write_behind" in v:
             kw["cluster_write_behind_bytes"] = parse_bytes(v["cluster_write_behind"],
                                                            "cluster_write_behind")
