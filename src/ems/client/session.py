@@ -24,7 +24,7 @@ reservation of it (nothing leaks; the slack of a call's deadline is this wait pl
 copy step in progress).
 
 A load's pins are given back LAZILY: :meth:`Session.release` keeps the tokens, and
-the next frame this connection sends carries the ``Release`` in front of it (one
+the next frame this connection sends carries the ``Release`` right behind it (one
 ``send``, one wake of the daemon, instead of a one-way frame of its own after every
 load: 4-9 us of a ~45 us load p50 here, A/B in one run). Nothing waits longer than
 :data:`RELEASE_DELAY_S` for that: the watcher sends what no request took by then (it
@@ -369,8 +369,8 @@ class Session:
     def _send(self, data: bytes, deadline: float) -> None:
         """Send one whole frame by ``deadline`` (a monotonic time), else raise
         :class:`Timeout`: with the connection as it was when no byte went out, failed
-        when part of the frame did (see the module docstring). Waiting releases go in
-        front of it, in the same ``send``."""
+        when part of the frame did (see the module docstring). Waiting releases go
+        right behind it, in the same ``send`` (the daemon answers the frame first)."""
         if not self._send_lock.acquire(timeout=max(0.0, deadline - _monotonic())):
             raise Timeout("another sender holds the socket")
         carried: list[int] = []
@@ -378,8 +378,9 @@ class Session:
             if self.broken is not None:
                 raise fresh(self.broken)
             if self._unreleased and len(self._unreleased) <= self.max_keys:
+                # after the frame: the daemon answers it first, then releases
                 carried, self._unreleased = self._unreleased, []
-                data = encode_wire(m.Release.wire(tokens=carried)) + data
+                data += encode_wire(m.Release.wire(tokens=carried))
             self.channel.send(data, deadline)
         except Timeout as exc:
             if exc.partial:
