@@ -10,6 +10,7 @@ import inspect
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from test_protocol import MESSAGE_STRATEGIES
 
 from ems.errors import EmsErrorCode, EmsException
@@ -314,3 +315,59 @@ def test_the_generated_validators_agree_on_real_messages(msg, cut):
     assert outcomes[0] == outcomes[1]
     if not cut:
         assert outcomes[0] == ("ok", values)
+
+
+class ClientConnectionMachine(RuleBasedStateMachine):
+    """The client's rid bookkeeping against a model: every reply goes to its request's
+    tag exactly once, in whatever order the daemon answers; a reply to a request given
+    up on comes back LATE (once); nothing is lost or delivered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client, self.server = _ready_pair()
+        self.sent: dict[int, str] = {}  # rid -> tag, sent and not yet answered
+        self.given_up: set[int] = set()
+        self.next_tag = 0
+
+    @rule()
+    def send(self):
+        tag = f"t{self.next_tag}"
+        self.next_tag += 1
+        rid = self.client.start(tag)
+        assert rid not in self.sent and rid not in self.given_up
+        self.sent[rid] = tag
+
+    @rule(data=st.data())
+    def give_up(self, data):
+        waiting = sorted(set(self.sent) - self.given_up)
+        if waiting:
+            rid = data.draw(st.sampled_from(waiting))
+            self.client.give_up(rid)
+            self.given_up.add(rid)
+
+    @rule(data=st.data())
+    def answer_some(self, data):
+        """The daemon answers a few requests, in any order, in one read."""
+        if not self.sent:
+            return
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.sent)), min_size=1,
+                                  max_size=4, unique=True))
+        frames = b"".join(self.server.pong(rid) for rid in rids)
+        got = self.client.receive(frames)
+        want = [(LATE if rid in self.given_up else self.sent[rid], m.Pong(rid=rid))
+                for rid in rids]
+        assert got == want
+        for rid in rids:
+            del self.sent[rid]
+            self.given_up.discard(rid)
+
+    @invariant()
+    def the_books_agree(self):
+        assert self.client.error is None
+        assert set(self.client.pending) == set(self.sent) - self.given_up
+        assert self.client.orphans == self.given_up
+
+
+TestClientConnectionMachine = ClientConnectionMachine.TestCase
+TestClientConnectionMachine.settings = settings(max_examples=100, stateful_step_count=40,
+                                                deadline=None)
