@@ -1,0 +1,116 @@
+"""Where does a copy into pool memory lose bandwidth? One kernel, many destinations.
+
+Copies ``--runs`` runs of ``--size`` bytes from a pre-faulted source into each kind of
+destination memory, the way the bench's V0 save does, and prints GB/s (median of
+``--reps``) and the page faults the timed copies took:
+
+* ``numpy``: a pre-touched numpy array, the same rows every repetition (the bench's
+  limit: ``LimitSystem``).
+* ``anon``: an anonymous private map touched once (4 KiB pages).
+* ``anon-thp``: the same with ``MADV_HUGEPAGE`` (the embedded pool).
+* ``memfd``: a ``MAP_SHARED | MAP_POPULATE`` map of a fallocated memfd (the daemon's
+  segment as a client maps it; shmem has no huge pages where ``shmem_enabled`` is
+  ``never``).
+
+and for each, ``same`` (the same rows every repetition) or ``moving`` (the next rows
+of a destination ``--pool`` bytes large each repetition, as fresh pool extents are).
+Kernels: ``nt`` (ems._native streaming stores), ``glibc`` (ctypes.memmove).
+
+    PYTHONPATH=src python benchmarks/copy_probe.py [--size 1048576 --runs 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _addr(mm: mmap.mmap) -> tuple[int, object]:
+    buf = (ctypes.c_char * len(mm)).from_buffer(mm)
+    return ctypes.addressof(buf), buf
+
+
+def destinations(pool: int) -> dict[str, tuple[int, object]]:
+    out: dict[str, tuple[int, object]] = {}
+    arr = np.empty(pool, np.uint8)
+    arr.fill(1)
+    out["numpy"] = (arr.ctypes.data, arr)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    plain = mmap.mmap(-1, pool, flags=flags)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        plain.madvise(mmap.MADV_NOHUGEPAGE)
+    plain.write(b"\1" * 0)
+    a, keep = _addr(plain)
+    ctypes.memset(a, 1, pool)
+    out["anon"] = (a, (plain, keep))
+    thp = mmap.mmap(-1, pool, flags=flags)
+    thp.madvise(mmap.MADV_HUGEPAGE)
+    a, keep = _addr(thp)
+    ctypes.memset(a, 1, pool)
+    out["anon-thp"] = (a, (thp, keep))
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC)
+    os.ftruncate(fd, pool)
+    os.posix_fallocate(fd, 0, pool)
+    shm = mmap.mmap(fd, pool, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    os.close(fd)
+    a, keep = _addr(shm)
+    out["memfd"] = (a, (shm, keep))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=1 << 20)
+    ap.add_argument("--runs", type=int, default=64)
+    ap.add_argument("--pool", type=int, default=256 << 20)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--load", action="store_true", help="copy out of the destination")
+    args = ap.parse_args()
+    from ems.client import native
+    kernels = {"glibc": ctypes.memmove}
+    if native.copy_one is not None:
+        kernels["nt"] = native.copy_one
+    batch = args.size * args.runs
+    src = np.empty(batch, np.uint8)
+    src.view(np.uint64)[:] = np.arange(batch // 8, dtype=np.uint64)
+    s0 = src.ctypes.data
+    dests = destinations(args.pool)
+    print(f"{args.runs} runs x {args.size} B ({'load' if args.load else 'save'}), "
+          f"pool {args.pool >> 20} MiB, median of {args.reps}")
+    print(f"{'dest':10} {'where':7} " + " ".join(f"{k + ' GB/s':>10} {'faults':>7}"
+                                                for k in kernels))
+    for dname, (base, _keep) in dests.items():
+        for where in ("same", "moving"):
+            cells = []
+            for kname, fn in kernels.items():
+                times, faults = [], 0
+                for rep in range(args.reps + 1):
+                    off = 0 if where == "same" else (rep * batch) % (args.pool - batch + 1)
+                    d0 = base + off
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    t0 = time.perf_counter()
+                    for i in range(args.runs):
+                        if args.load:
+                            fn(s0 + i * args.size, d0 + i * args.size, args.size)
+                        else:
+                            fn(d0 + i * args.size, s0 + i * args.size, args.size)
+                    dt = time.perf_counter() - t0
+                    if rep:
+                        times.append(dt)
+                        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                cells.append(f"{batch / statistics.median(times) / 1e9:10.2f} "
+                             f"{faults // args.reps:7d}")
+            print(f"{dname:10} {where:7} " + " ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
