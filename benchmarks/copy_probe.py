@@ -73,6 +73,9 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=256 << 20)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--load", action="store_true", help="copy out of the destination")
+    ap.add_argument("--misalign", type=int, default=0,
+                    help="bytes added to every destination address (pool extents are "
+                         "64-byte aligned: try 64, 16, 8)")
     args = ap.parse_args()
     from ems.client import native
     kernels = {"glibc": ctypes.memmove}
@@ -82,9 +85,9 @@ def main() -> int:
     src = np.empty(batch, np.uint8)
     src.view(np.uint64)[:] = np.arange(batch // 8, dtype=np.uint64)
     s0 = src.ctypes.data
-    dests = destinations(args.pool)
+    dests = destinations(args.pool + args.misalign)
     print(f"{args.runs} runs x {args.size} B ({'load' if args.load else 'save'}), "
-          f"pool {args.pool >> 20} MiB, median of {args.reps}")
+          f"pool {args.pool >> 20} MiB, destination +{args.misalign} B, median of {args.reps}")
     print(f"{'dest':10} {'where':7} " + " ".join(f"{k + ' GB/s':>10} {'faults':>7}"
                                                 for k in kernels))
     for dname, (base, _keep) in dests.items():
@@ -94,7 +97,7 @@ def main() -> int:
                 times, faults = [], 0
                 for rep in range(args.reps + 1):
                     off = 0 if where == "same" else (rep * batch) % (args.pool - batch + 1)
-                    d0 = base + off
+                    d0 = base + off + args.misalign
                     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     t0 = time.perf_counter()
                     for i in range(args.runs):

@@ -154,6 +154,17 @@ class LimitSystem(MemcpySystem):
     def _run(self, dst: np.ndarray, src: np.ndarray) -> None:
         self._copy(dst.ctypes.data, src.ctypes.data, src.nbytes)
 
+    def copy_runs(self, dst: Any, src: Any, length: int) -> None:
+        """Copy run ``i`` (``length`` bytes) from ``src[i]`` to ``dst[i]`` (int64 address
+        tensors): copy-nt in one native call, copy-glibc a ``memmove`` per run."""
+        if self.name == "copy-nt":
+            from ems.client import native
+            native.copy_runs(dst, src, length)
+            return
+        move = self._copy
+        for d, s in zip(dst.tolist(), src.tolist()):
+            move(d, s, length)
+
 
 LIMITS = ("copy-nt", "copy-glibc")
 
