@@ -97,26 +97,44 @@ class _HostRuns:
     """One group's host tensors as int64 columns, so that the runs of every tensor of
     the group are computed by a few broadcast ops (a row per block or token, a column
     per tensor) instead of a few ops per tensor: at 64 tensors (32 layers x K, V) the
-    per-tensor ops cost ~2-3 ms of Python per call, a fifth of a 128 MiB copy.
+    per-tensor ops cost ~1-1.5 ms of Python per call, a sixth of a 128 MiB copy.
 
     ``whole``: the columns whose block is one run of bytes (dims 0/1 of the block
     contiguous, or an opaque page), moved a block at a time when the request's blocks
-    are full and aligned; ``rest``: the others, moved a token at a time."""
+    are full and aligned; ``rest``: the others, moved a token at a time (each a
+    :class:`_Columns`, or None when no column is of that kind)."""
 
     def __init__(self, torch: Any, tensors: list[_TensorInfo], group: _Group) -> None:
         mine = [tensors[i] for i in group.tensors]
         self.host = bool(mine) and all(t.host for t in mine)
-        col = torch.tensor
-        self.index = col(group.tensors, dtype=torch.int64)  # into RegisteredLayout.tensors
-        self.ptr = col([t.ptr for t in mine], dtype=torch.int64)
-        self.stride0 = col([t.stride0 for t in mine], dtype=torch.int64)
-        self.stride1 = col([t.stride1 for t in mine], dtype=torch.int64)
-        self.token_bytes = col([t.token_bytes for t in mine], dtype=torch.int64)
         run = [t.page_bytes or (t.token_bytes * group.block_size
                                 if t.stride1 == t.token_bytes else 0) for t in mine]
-        self.block_bytes = col(run, dtype=torch.int64)
-        self.whole = col([k for k, n in enumerate(run) if n], dtype=torch.int64)
-        self.rest = col([k for k, n in enumerate(run) if not n], dtype=torch.int64)
+        self.all = _Columns(torch, group.tensors, mine, run)
+        whole = [k for k, n in enumerate(run) if n]
+        rest = [k for k, n in enumerate(run) if not n]
+        self.whole = self.all.pick(torch, whole) if whole else None
+        self.rest = self.all.pick(torch, rest) if rest else None
+
+
+class _Columns:
+    """Per tensor (a column): its index in the layout, address of block 0, strides,
+    token bytes and block run bytes (0: a block is not one run)."""
+
+    def __init__(self, torch: Any, index: list[int], infos: list[_TensorInfo],
+                 run: list[int]) -> None:
+        col = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        self.index = col(index)
+        self.ptr = col([t.ptr for t in infos])
+        self.stride0 = col([t.stride0 for t in infos])
+        self.stride1 = col([t.stride1 for t in infos])
+        self.token_bytes = col([t.token_bytes for t in infos])
+        self.block_bytes = col(run)
+        self._lists = (index, infos, run)
+
+    def pick(self, torch: Any, ks: list[int]) -> "_Columns":
+        index, infos, run = self._lists
+        return _Columns(torch, [index[k] for k in ks], [infos[k] for k in ks],
+                        [run[k] for k in ks])
 
 
 def _units(torch: Any) -> list[tuple[int, Any]]:
@@ -160,6 +178,11 @@ class RegisteredLayout:
         #: per group, the table the native copy computes its runs from (None: not on
         #: the host, so moved by torch)
         self.host_runs = [_HostRuns(torch, self.tensors, g) for g in self.groups]
+        #: per tensor, bytes of one token's row (0 for an opaque page) and of its page
+        self.row_bytes = torch.tensor([0 if t.page_bytes else t.token_bytes
+                                       for t in self.tensors], dtype=torch.int64)
+        self.page_bytes = torch.tensor([t.page_bytes for t in self.tensors],
+                                       dtype=torch.int64)
         desc: list[Any] = []
         for g in self.groups:
             if g.opaque:  # the whole page's shape: its inner order is the layout's own
@@ -364,11 +387,20 @@ class RegisteredLayout:
                 i = int(torch.argmax((ends > group.slots).to(torch.int8)))
                 raise invalid(f"chunk_descs[{gi}][{i}] = {tuple(chunks[i])} ends past slot "
                               f"{group.slots} (num_blocks * block_size of group {gi})")
-            first = torch.repeat_interleave(starts, lengths)
-            pos = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-                torch.cumsum(lengths, 0) - lengths, lengths)
-            per_group.append((first + pos, lengths))
+            owner, pos = _spread(torch, lengths)
+            per_group.append((starts.index_select(0, owner) + pos, lengths))
         return V1Mover(self, per_group)
+
+
+def _spread(torch: Any, counts: Any) -> tuple[Any, Any]:
+    """For ``counts[i]`` tokens of object ``i``, in order: each token's object and its
+    position in that object (``repeat_interleave``'s result, which this avoids: it runs
+    on torch's intra-op threads even for 64 objects, and on a busy 2-vCPU host a V1
+    call then waited up to ~12 ms for a preempted worker thread)."""
+    ends = torch.cumsum(counts, 0)
+    token = torch.arange(int(ends[-1]) if ends.numel() else 0)
+    owner = torch.searchsorted(ends, token, right=True)
+    return owner, token - (ends - counts).index_select(0, owner)
 
 
 class _Tokens:
@@ -378,9 +410,7 @@ class _Tokens:
         n_obj = counts.numel()
         self.slots = slots
         self.counts = counts
-        self.obj = torch.repeat_interleave(torch.arange(n_obj), counts)
-        self.pos = torch.arange(slots.numel()) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)
+        self.obj, self.pos = _spread(torch, counts)
         self.block_ids = None
         if bool((counts == block_size).all()):
             grid = slots.view(n_obj, block_size)
@@ -413,9 +443,13 @@ class V1Mover:
                     f"{group.block_size - 1}, in order); this call names tokens inside "
                     f"a block")
         # Byte offset of tensor t's rows inside object i: exclusive cumsum over tensors.
-        sizes = torch.stack([torch.full_like(self.tokens[t.group].counts, t.page_bytes)
-                             if t.page_bytes else self.tokens[t.group].counts * t.token_bytes
-                             for t in layout.tensors], dim=1)
+        if len({id(t) for t in self.tokens}) == 1:  # one token list: one broadcast op
+            sizes = self.tokens[0].counts[:, None] * layout.row_bytes + layout.page_bytes
+        else:
+            sizes = torch.stack([torch.full_like(self.tokens[t.group].counts, t.page_bytes)
+                                 if t.page_bytes else
+                                 self.tokens[t.group].counts * t.token_bytes
+                                 for t in layout.tensors], dim=1)
         self.base = torch.cumsum(sizes, dim=1) - sizes
         self.sizes = [int(s) for s in sizes.sum(dim=1).tolist()]
 
@@ -449,7 +483,7 @@ class V1Mover:
         torch = self._torch
         obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
         obj_t = torch.tensor(objs, dtype=torch.int64)
-        obj_off[obj_t] = torch.tensor(offs, dtype=torch.int64)
+        obj_off.index_copy_(0, obj_t, torch.tensor(offs, dtype=torch.int64))
         everything = len(objs) == n_obj
         selected: dict[int, tuple[Any, Any, Any, Any]] = {}
         use_native = native.available()
@@ -488,26 +522,33 @@ class V1Mover:
     def _runs(self, seg: Segment, table: _HostRuns, group: _Group, tok: _Tokens,
               obj_off: Any, sel: tuple[Any, Any, Any, Any]) -> list[tuple[Any, Any, Any]]:
         """(pool address, cache address, length) of every run of one host group:
-        whole blocks where the request's blocks are full and aligned, else tokens."""
+        whole blocks where the request's blocks are full and aligned, else tokens.
+
+        Selections use ``index_select``, never ``t[index]``: advanced indexing runs
+        on torch's intra-op threads even for a few thousand elements, and on a busy
+        2-vCPU host a call then waited 3-12 ms (p99) for a preempted worker, against
+        ~4 us for ``index_select`` (single-threaded at this size)."""
         slots, tobj, pos, blk_objs = sel
         out = []
         rest = table.rest
         if tok.block_ids is not None:
-            k = table.whole
-            if k.numel():
-                cache = table.ptr[k] + tok.block_ids[blk_objs, None] * table.stride0[k]
-                pool = seg.address + obj_off[blk_objs, None] + \
-                    self.base[blk_objs[:, None], table.index[k]]
-                out.append((pool, cache, table.block_bytes[k].expand_as(pool)))
+            cols = table.whole
+            if cols is not None:
+                blocks = tok.block_ids.index_select(0, blk_objs)[:, None]
+                cache = cols.ptr + blocks * cols.stride0
+                pool = (seg.address + obj_off.index_select(0, blk_objs)[:, None]
+                        + self.base.index_select(0, blk_objs).index_select(1, cols.index))
+                out.append((pool, cache, cols.block_bytes.expand_as(pool)))
         else:
-            rest = self._torch.arange(table.index.numel())
-        if rest.numel():
+            rest = table.all
+        if rest is not None:
             bs = group.block_size
-            cache = table.ptr[rest] + (slots // bs)[:, None] * table.stride0[rest] + \
-                (slots % bs)[:, None] * table.stride1[rest]
-            tb = table.token_bytes[rest]
-            pool = seg.address + obj_off[tobj, None] + \
-                self.base[tobj[:, None], table.index[rest]] + pos[:, None] * tb
+            cache = rest.ptr + (slots // bs)[:, None] * rest.stride0 + \
+                (slots % bs)[:, None] * rest.stride1
+            tb = rest.token_bytes
+            pool = (seg.address + obj_off.index_select(0, tobj)[:, None]
+                    + self.base.index_select(0, tobj).index_select(1, rest.index)
+                    + pos[:, None] * tb)
             out.append((pool, cache, tb.expand_as(pool)))
         return out
 
@@ -527,7 +568,8 @@ class V1Mover:
         length = torch.cat([r[2].reshape(-1) for r in runs])
         dst, src = (pool, cache) if save else (cache, pool)
         order = torch.argsort(src)
-        dst, src, length = dst[order], src[order], length[order]
+        dst, src = dst.index_select(0, order), src.index_select(0, order)
+        length = length.index_select(0, order)
         ends = torch.cumsum(length, 0)
         total = int(ends[-1])
         cuts = [0]
@@ -544,7 +586,7 @@ class V1Mover:
                 ) -> tuple[Any, Any, Any, Any]:
         if everything:
             return tok.slots, tok.obj, tok.pos, self._torch.arange(obj_off.numel())
-        keep = obj_off[tok.obj] >= 0
+        keep = obj_off.index_select(0, tok.obj) >= 0
         return tok.slots[keep], tok.obj[keep], tok.pos[keep], obj_t
 
     @staticmethod
