@@ -15,8 +15,12 @@ destination memory, the way the bench's V0 save does, and prints GB/s (median of
 and for each, ``same`` (the same rows every repetition) or ``moving`` (the next rows
 of a destination ``--pool`` bytes large each repetition, as fresh pool extents are).
 Kernels: ``nt`` (ems._native streaming stores), ``glibc`` (ctypes.memmove).
+``--v1 BLOCK_SIZE`` instead copies V1's runs (a block of each of 64 cache tensors to
+pool-like memory) in the order the mover used before (tensor by tensor), object by
+object, and sorted by cache address (the save's source), each way.
 
-    PYTHONPATH=src python benchmarks/copy_probe.py [--size 1048576 --runs 64]
+    PYTHONPATH=src python benchmarks/copy_probe.py [--size 1048576 --runs 64] [--load]
+    PYTHONPATH=src python benchmarks/copy_probe.py --v1 16
 """
 
 from __future__ import annotations
@@ -66,6 +70,47 @@ def destinations(pool: int) -> dict[str, tuple[int, object]]:
     return out
 
 
+def v1_orders(block_size: int, tokens: int, reps: int) -> None:
+    """V1's runs (a block of each of 64 cache tensors, randomly chosen blocks) copied
+    by the native helper into pool-like memory in three orders."""
+    import torch
+
+    from ems.client import native
+    tensors = 64
+    n_blk = tokens // block_size
+    nb = n_blk + n_blk // 4 + 1
+    kv = [torch.ones((nb, block_size, 8, 128), dtype=torch.float16) for _ in range(tensors)]
+    blocks = torch.randperm(nb, generator=torch.Generator().manual_seed(0))[:n_blk]
+    run = block_size * 8 * 128 * 2
+    total = run * tensors * n_blk
+    print(f"V1: {n_blk} objects x {tensors} runs of {run >> 10} KiB = {total >> 20} MiB, "
+          f"best of {reps}; GB/s save / load")
+    for dname, (base, _keep) in destinations(total).items():
+        if dname == "anon":
+            continue
+        cache = torch.stack([t.data_ptr() + blocks * t.stride(0) * 2 for t in kv])  # [T, n]
+        pool = base + torch.arange(n_blk)[None, :] * run * tensors + \
+            torch.arange(tensors)[:, None] * run
+        orders = {"tensor by tensor (before)": (pool.reshape(-1), cache.reshape(-1)),
+                  "object by object": (pool.T.reshape(-1), cache.T.reshape(-1))}
+        by_cache = torch.argsort(cache.reshape(-1))
+        orders["sorted by cache address"] = (pool.reshape(-1)[by_cache],
+                                             cache.reshape(-1)[by_cache])
+        cells = []
+        for oname, (p, c) in orders.items():
+            p, c = p.contiguous(), c.contiguous()
+            rates = []
+            for dst, src in ((p, c), (c, p)):
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    native.copy_runs(dst, src, run)
+                    best = min(best, time.perf_counter() - t0)
+                rates.append(total / best / 1e9)
+            cells.append(f"{oname}: {rates[0]:.1f} / {rates[1]:.1f}")
+        print(f"  into {dname:8} " + " | ".join(cells))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=1 << 20)
@@ -76,7 +121,13 @@ def main() -> int:
     ap.add_argument("--misalign", type=int, default=0,
                     help="bytes added to every destination address (pool extents are "
                          "64-byte aligned: try 64, 16, 8)")
+    ap.add_argument("--v1", type=int, metavar="BLOCK_SIZE",
+                    help="instead: V1's runs of this block size in three orders")
+    ap.add_argument("--tokens", type=int, default=1024, help="V1 prefix tokens")
     args = ap.parse_args()
+    if args.v1:
+        v1_orders(args.v1, args.tokens, args.reps)
+        return 0
     from ems.client import native
     kernels = {"glibc": ctypes.memmove}
     if native.copy_one is not None:
