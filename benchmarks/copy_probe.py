@@ -51,7 +51,6 @@ def destinations(pool: int) -> dict[str, tuple[int, object]]:
     plain = mmap.mmap(-1, pool, flags=flags)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         plain.madvise(mmap.MADV_NOHUGEPAGE)
-    plain.write(b"\1" * 0)
     a, keep = _addr(plain)
     ctypes.memset(a, 1, pool)
     out["anon"] = (a, (plain, keep))
@@ -144,7 +143,7 @@ def main() -> int:
     for dname, (base, _keep) in dests.items():
         for where in ("same", "moving"):
             cells = []
-            for kname, fn in kernels.items():
+            for fn in kernels.values():
                 times, faults = [], 0
                 for rep in range(args.reps + 1):
                     off = 0 if where == "same" else (rep * batch) % (args.pool - batch + 1)
