@@ -394,13 +394,18 @@ class RegisteredLayout:
 
 def _spread(torch: Any, counts: Any) -> tuple[Any, Any]:
     """For ``counts[i]`` tokens of object ``i``, in order: each token's object and its
-    position in that object (``repeat_interleave``'s result, which this avoids: it runs
-    on torch's intra-op threads even for 64 objects, and on a busy 2-vCPU host a V1
-    call then waited up to ~12 ms for a preempted worker thread)."""
+    position in that object. (``repeat_interleave`` and ``searchsorted`` compute the
+    same, but run on torch's intra-op threads from a few dozen elements on: on a busy
+    2-vCPU host a V1 call then waited milliseconds for a preempted worker, and the
+    worker's spinning took as much CPU as the call; a step at each object's end,
+    summed up, is single-threaded at this size.)"""
     ends = torch.cumsum(counts, 0)
-    token = torch.arange(int(ends[-1]) if ends.numel() else 0)
-    owner = torch.searchsorted(ends, token, right=True)
-    return owner, token - (ends - counts).index_select(0, owner)
+    total = int(ends[-1]) if ends.numel() else 0
+    step = torch.zeros(total + 1, dtype=torch.int64)
+    if ends.numel() > 1:  # the next object starts where one ends (empty ones: twice)
+        step.index_add_(0, ends[:-1], torch.ones(ends.numel() - 1, dtype=torch.int64))
+    owner = torch.cumsum(step[:total], 0)
+    return owner, torch.arange(total) - (ends - counts).index_select(0, owner)
 
 
 class _Tokens:
