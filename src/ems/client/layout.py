@@ -21,12 +21,15 @@ count in that group), concatenated. Its key includes a fingerprint of the layout
 load never copies bytes saved under another layout, while a restarted instance with
 the same layout hits its old blocks.
 
-Copies are vectorised: per registered tensor and call, one gather (``index_select``)
-and one scatter (``index_put_`` / ``index_copy_``) — never a Python loop over blocks
-or tokens. Pool memory is viewed as overlapping rows (:meth:`Segment.window`) so
-that a row index is an element offset and one index op reaches objects anywhere in
-the pool. When every block of a group is a full, block-aligned run of slots (what
-engines send), whole blocks are moved as rows instead of single tokens.
+Copies are vectorised, never a Python loop over blocks or tokens. Host tensors (with
+the native helper built): every run of the request (a whole block where every block
+of a group is a full, block-aligned run of slots, as engines send; else a token) is
+computed at once from per-group int64 tables, sorted by source address, and copied
+by the native helper a few calls per request (``_copy_runs``). Device tensors and
+builds without the helper: per registered tensor, one gather (``index_select``) and
+one scatter (``index_put_`` / ``index_copy_``); pool memory is viewed as overlapping
+rows (:meth:`Segment.window`) so that a row index is an element offset and one index
+op reaches objects anywhere in the pool.
 
 Opaque pages (``block_size=N``): some layouts do not keep a block's tokens along dim
 1 -- the NZ layout ``[num_blocks, heads*head_size/16, block_size, 16]``, vLLM's CPU
@@ -97,7 +100,7 @@ class _HostRuns:
     """One group's host tensors as int64 columns, so that the runs of every tensor of
     the group are computed by a few broadcast ops (a row per block or token, a column
     per tensor) instead of a few ops per tensor: at 64 tensors (32 layers x K, V) the
-    per-tensor ops cost ~1-1.5 ms of Python per call, a sixth of a 128 MiB copy.
+    per-tensor ops cost ~1 ms of Python per call, an eighth of a 128 MiB copy.
 
     ``whole``: the columns whose block is one run of bytes (dims 0/1 of the block
     contiguous, or an opaque page), moved a block at a time when the request's blocks
