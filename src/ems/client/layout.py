@@ -575,6 +575,8 @@ class V1Mover:
         cache = torch.cat([r[1].reshape(-1) for r in runs])
         length = torch.cat([r[2].reshape(-1) for r in runs])
         dst, src = (pool, cache) if save else (cache, pool)
+        if not dst.numel():
+            return
         order = torch.argsort(src)
         dst, src = dst.index_select(0, order), src.index_select(0, order)
         length = length.index_select(0, order)
