@@ -579,7 +579,7 @@ class V1Mover:
             return
         order = torch.argsort(src)
         dst, src = dst.index_select(0, order), src.index_select(0, order)
-        length = length.index_select(0, order)
+        length = length.index_select(0, order)  # (index_select: new contiguous tensors)
         ends = torch.cumsum(length, 0)
         total = int(ends[-1])
         cuts = [0]
@@ -587,10 +587,11 @@ class V1Mover:
             cuts += torch.searchsorted(ends, torch.arange(_CHUNK, total, _CHUNK),
                                        right=True).tolist()
         cuts.append(int(dst.numel()))
+        d, s, n = dst.data_ptr(), src.data_ptr(), length.data_ptr()
         for lo, hi in zip(cuts, cuts[1:]):
             if hi > lo:
                 task.checkpoint()
-                native.copy_runs(dst[lo:hi], src[lo:hi], length[lo:hi])
+                native.copy_table(d + 8 * lo, s + 8 * lo, n + 8 * lo, hi - lo)
 
     def _select(self, tok: _Tokens, obj_off: Any, obj_t: Any, everything: bool
                 ) -> tuple[Any, Any, Any, Any]:
