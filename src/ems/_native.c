@@ -44,6 +44,9 @@
  * memory (which it does not slow down); V1 loads of 32 KiB blocks into a torch cache
  * 12 -> 15 GB/s (benchmarks/copy_probe.py). */
 #define EMS_PAGE 4096
+/* (through an integer: the address may lie past the end of the caller's object) */
+#define EMS_PREFETCH_NEXT_PAGE(d) \
+    _mm_prefetch((const char *)((uintptr_t)(d) + EMS_PAGE), _MM_HINT_T0)
 
 static void copy_one(char *d, const char *s, size_t n) {
 #if defined(__SSE2__)
@@ -51,11 +54,11 @@ static void copy_one(char *d, const char *s, size_t n) {
         size_t head = (16 - ((uintptr_t)d & 15)) & 15;
         memcpy(d, s, head);
         d += head; s += head; n -= head;
-        _mm_prefetch(d + EMS_PAGE, _MM_HINT_T0);
+        EMS_PREFETCH_NEXT_PAGE(d);
         size_t blocks = n / 64;
         for (size_t i = 0; i < blocks; i++) {
             if (((uintptr_t)d & (EMS_PAGE - 1)) < 64)
-                _mm_prefetch(d + EMS_PAGE, _MM_HINT_T0);
+                EMS_PREFETCH_NEXT_PAGE(d);
             __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
             __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
