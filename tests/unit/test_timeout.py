@@ -182,9 +182,12 @@ def test_v1_timeout_writes_nothing_into_the_cache_afterwards(make_cc, monkeypatc
     for layer in caches:
         for t in layer:
             t.zero_()
-    # The V1 mover copies one registered tensor per step, with a checkpoint before
-    # each: slow every step down (16 tensors x 20 ms >> 50 ms), whatever copy path
-    # (torch or native) the step takes.
+    # The V1 mover copies in steps with a checkpoint before each: one registered
+    # tensor per step on the torch path, up to ``layout._CHUNK`` bytes of runs per
+    # native call (here 256 B: one run, 32 steps). Slow every step down (>= 16 steps x
+    # 20 ms >> 50 ms), whatever copy path the step takes.
+    from ems.client import layout
+    monkeypatch.setattr(layout, "_CHUNK", 256)
     real = Task.checkpoint
 
     def slow(self):

@@ -23,10 +23,12 @@ from ems.bench.systems import (
     BenchError,
     EmsDaemon,
     EmsSystem,
+    LimitSystem,
     MemcpySystem,
     MooncakeSystem,
     RedisSystem,
     System,
+    touched,
 )
 
 __all__ = ["Params", "Row", "Latency", "Context", "WORKLOADS", "steps"]
@@ -255,16 +257,25 @@ def run_v1(ctx: Context) -> None:
                 del active[name]
         limits = [n for n in LIMITS if n in ctx.systems]
         names = ["memcpy", *limits, *active]
+        # (the store stays referenced here while the limit rows copy into it)
+        store, runs = _v1_runs(torch, kv, blocks) if limits else (None, None)
         rows = {(name, op): Row("v1", case, name, op, nbytes, [], bs * 2 * 8 * 128 * 2
-                                * p.v1_layers) for name in names for op in ("save", "load")}
+                                * p.v1_layers, _V1_NOTES.get(name, ""))
+                for name in names for op in ("save", "load")}
         expect = _checksum(torch, kv, blocks)
         for rep in range(p.reps + 1):
             for name in _rotated(names, rep):
-                if name == "memcpy" or name in limits:
+                if name == "memcpy":  # numpy: one contiguous copy of as many bytes
                     base = ctx.systems[name]
                     assert isinstance(base, MemcpySystem)
                     t_save = _timed(lambda: base.copy(nbytes, src_flat))
                     t_load = _timed(lambda: base.copy(nbytes, src_flat))
+                elif name in limits:  # the same runs (blocks) between the cache and a store
+                    lim = ctx.systems[name]
+                    assert isinstance(lim, LimitSystem) and runs is not None
+                    into, cache, length = runs
+                    t_save = _timed(lambda: lim.copy_runs(into, cache, length))
+                    t_load = _timed(lambda: lim.copy_runs(cache, into, length))
                 else:
                     if name not in active:
                         continue
@@ -292,7 +303,32 @@ def run_v1(ctx: Context) -> None:
                     rows[(name, "load")].seconds.append(t_load)
                 ctx.progress.step(f"v1 {bs}: {name}")
         ctx.rows.extend(r for r in rows.values() if r.seconds)
-        del kv
+        del kv, store, runs
+
+
+#: what the V1 baseline rows copy (the limit: the request's own runs; numpy: one stream)
+_V1_NOTES = {"memcpy": "one contiguous copy", "copy-nt": "the request's block runs",
+             "copy-glibc": "the request's block runs, a memmove each"}
+
+
+def _v1_runs(torch: Any, kv: list, blocks: Any) -> tuple[np.ndarray, tuple[Any, Any, int]]:
+    """The runs of the V1 case, for the limit: each block of each cache tensor (one run
+    of ``block_size`` tokens) to where a pool object would hold it in a pre-faulted
+    store (object ``i``, tensor ``t`` at ``i * object + t * run``): the store, and the
+    runs as int64 address tensors (store, cache) in the order of the save's source
+    addresses, with their length. The limit rows copy exactly these runs with no Python
+    between runs: what any copy of the same bytes must do, at the best kernel's speed."""
+    tensors = [t for pair in kv for t in pair]
+    run = tensors[0][0].numel() * tensors[0].element_size()
+    n = int(blocks.numel())
+    cache = torch.stack([t.data_ptr() + blocks * (t.stride(0) * t.element_size())
+                         for t in tensors], dim=1)  # [n, T]
+    obj = run * len(tensors)
+    store = touched(n * obj)
+    dest = store.ctypes.data + torch.arange(n)[:, None] * obj + torch.arange(len(tensors)) * run
+    cache, dest = cache.reshape(-1), dest.reshape(-1)
+    order = torch.argsort(cache)
+    return store, (dest[order].contiguous(), cache[order].contiguous(), run)
 
 
 def _v1_call(system: EmsSystem, op: str, slots: list, hashes: list, offsets: list) -> None:

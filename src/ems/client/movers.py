@@ -9,7 +9,8 @@ between copy steps so a timed-out request stops writing at once:
 * ``from_pool(items, locs, task)``: load.
 
 :class:`V0Mover` copies the caller's buffers of each key (host or device pointers);
-the V1 mover (vectorised torch gather/scatter) is in :mod:`ems.client.layout`.
+the V1 mover (every run of a request from per-group tables, copied by the native
+helper; torch gather/scatter for device tensors) is in :mod:`ems.client.layout`.
 """
 
 from __future__ import annotations

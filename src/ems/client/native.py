@@ -2,8 +2,9 @@
 
 ``copy_runs(dst, src, lengths)`` copies run ``i`` of ``lengths[i]`` bytes from address
 ``src[i]`` to ``dst[i]``, for int64 tensors of addresses, in one C loop with the GIL
-released. ``available()`` is False where the extension was not built (no compiler);
-callers then use torch's gather/scatter.
+released; ``copy_table`` does the same for rows of such arrays given by address.
+``available()`` is False where the extension was not built (no compiler); callers
+then use torch's gather/scatter.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Optional
 
-__all__ = ["available", "copy_one", "copy_runs"]
+__all__ = ["available", "copy_one", "copy_runs", "copy_table"]
 
 _fn: Optional[Any] = None
 #: ``copy_one(dst_address, src_address, n)``: one run (None without the extension)
@@ -33,6 +34,14 @@ except (ImportError, OSError, AttributeError):  # pragma: no cover - no compiler
 
 def available() -> bool:
     return _fn is not None
+
+
+def copy_table(dst: int, src: int, lengths: int, n: int) -> None:
+    """Rows ``[0, n)`` of a run table given by the addresses of its three int64 arrays
+    (``dst``, ``src``, ``lengths``): a chunk of a table without slicing tensors."""
+    assert _fn is not None
+    if n > 0:
+        _fn(dst, src, lengths, n, 0)
 
 
 def copy_runs(dst: Any, src: Any, lengths: Any) -> None:

@@ -1,0 +1,81 @@
+"""The native copy's edges and the V1 run planning's helpers.
+
+* The streaming copy prefetches a line of the next destination page: a copy that ends
+  at the end of a mapping (the next page unmapped) must not fault, and every length
+  (heads, tails, sub-page, multi-page) copies exactly its bytes.
+* ``_spread`` replaces ``repeat_interleave``: same result for any counts, zeros too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import random
+
+import pytest
+
+from ems.client import native
+
+torch = pytest.importorskip("torch")
+
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def edge_map():
+    """Two pages mapped, with the page after them unmapped (munmap'd): a write or a
+    faulting read past the end would crash the test process."""
+    mm = mmap.mmap(-1, 3 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = (ctypes.c_char * (3 * PAGE)).from_buffer(mm)
+    base = ctypes.addressof(buf)
+    libc = ctypes.CDLL(None)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    assert libc.munmap(base + 2 * PAGE, PAGE) == 0
+    yield base, 2 * PAGE
+    del buf
+    mm.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="ems._native was not built")
+@pytest.mark.parametrize("length", [1, 63, 4096, 4097, 5000, 2 * PAGE - 16, 2 * PAGE])
+def test_copy_ending_at_the_end_of_a_mapping(edge_map, length):
+    base, size = edge_map
+    src = (ctypes.c_uint8 * size)(*[(i * 7 + 3) & 0xFF for i in range(size)])
+    start = base + size - length  # the run ends exactly where the mapping ends
+    ctypes.memset(base, 0, size)
+    native.copy_one(start, ctypes.addressof(src), length)
+    got = ctypes.string_at(start, length)
+    assert got == bytes(src)[:length]
+    assert ctypes.string_at(base, size - length) == b"\0" * (size - length)
+
+
+@pytest.mark.skipif(not native.available(), reason="ems._native was not built")
+def test_copy_runs_unaligned_heads_and_tails():
+    rng = random.Random(5)
+    src = bytes(rng.randrange(256) for _ in range(1 << 16))
+    s = ctypes.create_string_buffer(src, len(src))
+    d = ctypes.create_string_buffer(len(src) + 64)
+    runs = [(3, 10, 9000), (9100, 9013, 4096), (20000, 20001, 17), (30001, 30005, 12345)]
+    dst_t = torch.tensor([ctypes.addressof(d) + r[0] for r in runs], dtype=torch.int64)
+    src_t = torch.tensor([ctypes.addressof(s) + r[1] for r in runs], dtype=torch.int64)
+    native.copy_runs(dst_t, src_t, torch.tensor([r[2] for r in runs], dtype=torch.int64))
+    out = d.raw
+    for doff, soff, n in runs:
+        assert out[doff:doff + n] == src[soff:soff + n]
+
+
+def test_spread_equals_repeat_interleave():
+    from ems.client.layout import _spread
+
+    rng = random.Random(1)
+    cases = [[2, 0, 3], [0, 0, 5, 0], [1], [16] * 64, [0, 4]]
+    cases += [[rng.choice([0, 1, 2, 7, 16]) for _ in range(rng.randrange(1, 40))]
+              for _ in range(50)]
+    for counts in cases:
+        if not sum(counts):
+            continue
+        c = torch.tensor(counts, dtype=torch.int64)
+        owner, pos = _spread(torch, c)
+        assert torch.equal(owner, torch.repeat_interleave(torch.arange(len(counts)), c))
+        start = torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+        assert torch.equal(pos, torch.arange(int(c.sum())) - start)
