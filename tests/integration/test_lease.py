@@ -223,16 +223,16 @@ def test_small_saves_go_in_one_step(cc, server, monkeypatch):
     more than a quarter of the lease goes Reserve + Commit."""
     session = cc._transport._session
     sent: list[str] = []
-    request = session.request
+    send = session.send
 
-    def recording(msg_for, wait_s, spin_s=0.0):
+    def recording(msg_for, wait_s):
         def build(rid):
             msg = msg_for(rid)
             code = msg[0] if type(msg) is list else msg.TYPE
             sent.append(m.MESSAGES[code].__name__)
             return msg
-        return request(build, wait_s, spin_s)
-    monkeypatch.setattr(session, "request", recording)
+        return send(build, wait_s)
+    monkeypatch.setattr(session, "send", recording)
     keys = [f"one-{i}" for i in range(5)]
     for key in keys:
         assert save(cc, [key], 4096).success == 1
@@ -245,3 +245,76 @@ def test_small_saves_go_in_one_step(cc, server, monkeypatch):
     assert all(o.bytes() == pattern(k, 4096) for k, o in zip(keys, outs))
     stats = cc.statistics()
     assert stats.objects == 6 and stats.reserved == 0
+
+
+def test_chunks_of_a_large_save():
+    from ems.client.remote import _chunks
+    mib = 1 << 20
+    assert _chunks([mib] * 24, 4096) == [(0, 4), (4, 12), (12, 24)]
+    assert _chunks([mib] * 64, 4096) == [(0, 4), (4, 12), (12, 28), (28, 60), (60, 64)]
+    assert _chunks([64 << 20], 4096) == [(0, 1)]  # at least one key a chunk
+    assert _chunks([mib] * 10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # max_keys
+    assert _chunks([], 10) == []
+
+
+def _record_sends(monkeypatch, session) -> list:
+    sent: list[str] = []
+    send = session.send
+
+    def recording(msg_for, wait_s):
+        def build(rid):
+            msg = msg_for(rid)
+            sent.append(m.MESSAGES[msg[0] if type(msg) is list else msg.TYPE].__name__)
+            return msg
+        return send(build, wait_s)
+    monkeypatch.setattr(session, "send", recording)
+    return sent
+
+
+def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
+    """24 x 1 MiB: three Reserves (4, 8, 12 keys), each next one sent before the copy
+    of the chunk before it, then one Commit after the last copy; bit-exact."""
+    sent = _record_sends(monkeypatch, cc._transport._session)
+    order: list[str] = []
+    copy = _copy.copy_bytes
+
+    def tracing(dst, src, n):
+        if not order or order[-1] != f"copy after {len(sent)} sends":
+            order.append(f"copy after {len(sent)} sends")
+        return copy(dst, src, n)
+    monkeypatch.setattr(_copy, "copy_bytes", tracing)
+    keys = [f"big-{i}" for i in range(24)]
+    assert save(cc, keys, 1 << 20).success == 24
+    assert sent == ["Reserve", "Reserve", "Reserve", "Commit"]
+    # chunk 1 copied with Reserve 2 out, chunk 2 with Reserve 3 out, chunk 3 after all
+    assert order == ["copy after 2 sends", "copy after 3 sends"]
+    monkeypatch.setattr(_copy, "copy_bytes", copy)
+    outs = [Value(1 << 20) for _ in keys]
+    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 24
+    assert all(o.bytes() == pattern(k, 1 << 20) for k, o in zip(keys, outs))
+    assert anonymous_stats(server)["reserved"] == 0
+
+
+def test_a_large_save_that_times_out_mid_copy_leaves_nothing(cc, server, monkeypatch):
+    """The deadline passes while chunk 2 is copied (Reserve 3 in flight): the call
+    raises EMS_IO_TIMEOUT, no key becomes visible, every reservation is given back
+    (chunks 1-2 aborted, chunk 3's late Granted undone when it is read)."""
+    copy = _copy.copy_bytes
+    calls = [0]
+
+    def slow(dst, src, n):
+        calls[0] += 1
+        if calls[0] == 6:  # in chunk 2
+            time.sleep(0.5)
+        return copy(dst, src, n)
+    monkeypatch.setattr(_copy, "copy_bytes", slow)
+    keys = [f"late-{i}" for i in range(24)]
+    vals = [Value(1 << 20, pattern(k, 1 << 20)) for k in keys]
+    with pytest.raises(EmsException) as err:
+        cc.save(CcKvOption(timeout=300), keys, [v.wrappers() for v in vals])
+    assert err.value.status_code() is EmsErrorCode.EMS_IO_TIMEOUT
+    monkeypatch.setattr(_copy, "copy_bytes", copy)
+    anonymous_stats_when(server, lambda s: s["reserved"] == 0, 5.0,
+                         "every reservation given back")
+    outs = [Value(1 << 20) for _ in keys]
+    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 0

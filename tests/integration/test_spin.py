@@ -18,15 +18,15 @@ OPT = CcKvOption(timeout=5000)
 
 
 def _record_spins(cc):
-    """Wrap the session's request to record the spin each request asked for."""
+    """Wrap the session's wait for replies to record the spin each request asked for."""
     session = cc._transport._session
     spins: list[float] = []
-    request = session.request
+    reply_to = session.reply_to
 
-    def recording(msg_for, wait_s, spin_s=0.0):
+    def recording(pending, spin_s=0.0):
         spins.append(spin_s)
-        return request(msg_for, wait_s, spin_s)
-    session.request = recording
+        return reply_to(pending, spin_s)
+    session.reply_to = recording
     return spins
 
 

@@ -56,7 +56,7 @@ from ems.protocol import encode, encode_wire
 from ems.protocol import messages as m
 from ems.protocol.connection import LATE, ClientConnection, undo_late
 
-__all__ = ["LIVENESS_S", "POST_WAIT_S", "RELEASE_DELAY_S", "Outstanding", "Session",
+__all__ = ["LIVENESS_S", "POST_WAIT_S", "RELEASE_DELAY_S", "Outstanding", "Pending", "Session",
            "Timeout", "bad_reply", "fresh", "io_error", "probe"]
 
 _monotonic = time.monotonic
@@ -80,6 +80,14 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux; elsewhere POLLHUP st
 def fresh(exc: EmsException) -> EmsException:
     """A copy of ``exc`` without a traceback (see the module docstring)."""
     return type(exc)(exc.status_code(), exc.message())
+
+
+class Pending(NamedTuple):
+    """A request sent and not yet answered (``Session.send``)."""
+
+    rid: int
+    waiter: _Waiter
+    deadline: float
 
 
 class Outstanding(NamedTuple):
@@ -181,6 +189,12 @@ class Session:
         Raises :class:`Timeout` when no reply came in time (a late reply is undone
         when it is read), ``EmsException`` for an error reply or a broken connection.
         """
+        return self.reply_to(self.send(msg_for, wait_s), spin_s)
+
+    def send(self, msg_for: Callable[[int], Any], wait_s: float) -> Pending:
+        """The first half of :meth:`request`: the request goes out (within ``wait_s``,
+        which also bounds its reply); :meth:`reply_to` waits for the answer, or
+        :meth:`abandon` gives it up. Several may be in flight from one thread."""
         deadline = _monotonic() + wait_s
         waiter = _Waiter()
         with self._lock:
@@ -194,12 +208,29 @@ class Session:
             with self._lock:
                 self._proto.cancel(rid)
             raise
-        reply = self._await(rid, waiter, deadline, spin_s)
+        return Pending(rid, waiter, deadline)
+
+    def reply_to(self, pending: Pending, spin_s: float = 0.0) -> m.Message:
+        """The second half of :meth:`request` (see there)."""
+        reply = self._await(pending.rid, pending.waiter, pending.deadline, spin_s)
         if isinstance(reply, EmsException):
             raise fresh(reply)
         if isinstance(reply, m.Error):
             raise reply.exception()
         return reply  # type: ignore[no-any-return]
+
+    def abandon(self, pending: Pending) -> None:
+        """Nobody will wait for ``pending``: its reply is undone (now, if it came
+        already; when it is read, otherwise)."""
+        with self._lock:
+            reply = pending.waiter.reply
+            if reply is None:
+                self._proto.give_up(pending.rid)
+                if not self._reading:  # nobody reads: the watcher reads it and undoes it
+                    self._hand_off_locked()
+        if isinstance(reply, m.Message):
+            for undo in undo_late(reply):
+                self.post(undo)
 
     def _await(self, rid: int, waiter: _Waiter, deadline: float, spin_s: float = 0.0) -> Any:
         """The reply (or the ``EmsException`` that broke the session) of ``rid``."""
@@ -256,8 +287,9 @@ class Session:
         if self.broken is not None:
             return
         for waiter in self._proto.pending.values():
-            waiter.wake()
-            return
+            if waiter.event is not None:  # a follower (a request sent and not yet
+                waiter.wake()             # waited for, e.g. a pipelined Reserve, is
+                return                    # read by its thread when it waits)
         if self._proto.orphans or self._hangup:
             self._wake_watcher()
 
