@@ -247,14 +247,12 @@ def test_small_saves_go_in_one_step(cc, server, monkeypatch):
     assert stats.objects == 6 and stats.reserved == 0
 
 
-def test_chunks_of_a_large_save():
+def test_slices_of_a_large_save():
     from ems.client.remote import _chunks
-    mib = 1 << 20
-    assert _chunks([mib] * 24, 4096) == [(0, 4), (4, 12), (12, 24)]
-    assert _chunks([mib] * 64, 4096) == [(0, 4), (4, 12), (12, 28), (28, 60), (60, 64)]
-    assert _chunks([64 << 20], 4096) == [(0, 1)]  # at least one key a chunk
-    assert _chunks([mib] * 10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # max_keys
-    assert _chunks([], 10) == []
+    assert _chunks(24, 8) == [(0, 8), (8, 16), (16, 24)]
+    assert _chunks(10, 4096) == [(0, 10)]  # one request: one call of the mover
+    assert _chunks(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert _chunks(0, 10) == []
 
 
 def _record_sends(monkeypatch, session) -> list:
@@ -272,9 +270,12 @@ def _record_sends(monkeypatch, session) -> list:
 
 
 def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
-    """24 x 1 MiB: three Reserves (4, 8, 12 keys), each next one sent before the copy
-    of the chunk before it, then one Commit after the last copy; bit-exact."""
-    sent = _record_sends(monkeypatch, cc._transport._session)
+    """24 x 1 MiB in slices of 8 keys (the daemon's max_keys, made small): three
+    Reserves, each next one sent before the copy of the slice before it, then the
+    Commits after the last copy; bit-exact."""
+    session = cc._transport._session
+    monkeypatch.setattr(session, "max_keys", 8)
+    sent = _record_sends(monkeypatch, session)
     order: list[str] = []
     copy = _copy.copy_bytes
 
@@ -285,8 +286,8 @@ def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
     monkeypatch.setattr(_copy, "copy_bytes", tracing)
     keys = [f"big-{i}" for i in range(24)]
     assert save(cc, keys, 1 << 20).success == 24
-    assert sent == ["Reserve", "Reserve", "Reserve", "Commit"]
-    # chunk 1 copied with Reserve 2 out, chunk 2 with Reserve 3 out, chunk 3 after all
+    assert sent == ["Reserve"] * 3 + ["Commit"] * 3
+    # slice 1 copied with Reserve 2 out, slice 2 with Reserve 3 out, slice 3 after all
     assert order == ["copy after 2 sends", "copy after 3 sends"]
     monkeypatch.setattr(_copy, "copy_bytes", copy)
     outs = [Value(1 << 20) for _ in keys]
@@ -296,15 +297,16 @@ def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
 
 
 def test_a_large_save_that_times_out_mid_copy_leaves_nothing(cc, server, monkeypatch):
-    """The deadline passes while chunk 2 is copied (Reserve 3 in flight): the call
+    """The deadline passes while slice 2 is copied (Reserve 3 in flight): the call
     raises EMS_IO_TIMEOUT, no key becomes visible, every reservation is given back
-    (chunks 1-2 aborted, chunk 3's late Granted undone when it is read)."""
+    (slices 1-2 aborted, slice 3's late Granted undone when it is read)."""
+    monkeypatch.setattr(cc._transport._session, "max_keys", 8)
     copy = _copy.copy_bytes
     calls = [0]
 
     def slow(dst, src, n):
         calls[0] += 1
-        if calls[0] == 6:  # in chunk 2
+        if calls[0] == 10:  # in slice 2
             time.sleep(0.5)
         return copy(dst, src, n)
     monkeypatch.setattr(_copy, "copy_bytes", slow)

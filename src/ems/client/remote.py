@@ -10,8 +10,8 @@ The verbs (see ``ems.client.transport``)::
 
     save(req)  small (<= a quarter of the lease): cut ranges from the lease -> copy -> Put
                (one round trip; the first small save of a connection asks for a Lease)
-               large, or no lease to be had: Reserve -> copy -> Commit, the Reserve in
-               chunks, the next one in flight while this one is copied (_save_reserved)
+               large, or no lease to be had: Reserve -> copy -> Commit (_save_reserved;
+               past max_keys in slices, the next Reserve in flight during a copy)
     load(req)  Acquire (pins the leading hits) -> copy -> Release (one-way)
 
 The connection holds a LEASE of pool space (asked for on the first small save,
@@ -95,12 +95,6 @@ CONTROL_TIMEOUT_S = 5.0
 #: Share of the daemon's reservation TTL a save may spend copying.
 _TTL_SHARE = 0.8
 _NEW, _EXISTS, _BUSY = GrantStatus.NEW, GrantStatus.EXISTS, GrantStatus.BUSY
-#: The first chunk of a large save's pipelined Reserve (see ``_save_reserved``).
-_FIRST_CHUNK_BYTES = 4 << 20
-#: ... each next chunk this many times the one before (A/B in one process, 64 x 1 MiB
-#: saves, 10 alternating rounds: 4 MiB x 2 18.05, 4 MiB x 4 17.87, 8 MiB x 3 17.50,
-#: one Reserve of all 17.65 GB/s; an earlier A/B 14.77 vs 14.40)
-_CHUNK_GROWTH = 2
 #: The hot requests go out in their wire form, built by name (``Cls.wire``): no object.
 _put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
 
@@ -115,20 +109,16 @@ def _joined(replies: list) -> Any:
                                          for name in first._NAMES[1:]})
 
 
-def _chunks(sizes: Sequence[int], max_keys: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` ranges of a large save's keys: the first of about
-    :data:`_FIRST_CHUNK_BYTES` (at least one key), each next twice as many bytes, none
-    over ``max_keys`` keys. Few round trips (5 for 64 x 1 MiB), and each next Reserve
-    is small beside the copy it hides behind (~5 us per key against ~50 us per MiB)."""
-    out, lo, n, target = [], 0, len(sizes), _FIRST_CHUNK_BYTES
-    while lo < n:
-        hi, total = lo + 1, sizes[lo]
-        while hi < n and hi - lo < max_keys and total + sizes[hi] <= target:
-            total += sizes[hi]
-            hi += 1
-        out.append((lo, hi))
-        lo, target = hi, target * _CHUNK_GROWTH
-    return out
+def _chunks(n: int, max_keys: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` slices of a save's ``n`` keys, ``max_keys`` each (the daemon's
+    limit per request); each is copied by one call of the request's mover.
+
+    Smaller chunks, to overlap more of the Reserve with the copy, were measured and
+    not kept: a first chunk of 4 MiB, each next twice as large, gained V0 2-3% (64 x 1
+    MiB, two A/Bs in one process) but cost V1 15-23% (4096 tokens, block 128: 16.79 ->
+    14.30 GB/s, block 16: 11.74 -> 9.02; a first quarter alone: 16.47 / 9.77): the V1
+    mover plans and sorts a call's runs as a whole, so more calls copy slower."""
+    return [(lo, min(n, lo + max_keys)) for lo in range(0, n, max_keys)]
 
 
 def _slice_of(make: Callable[[int, int, int], Any], lo: int, hi: int, rid: int) -> Any:
@@ -409,16 +399,15 @@ class RemoteTransport(Transport):
 
     def _save_reserved(self, session: Session, req: Request, task: Task, spin: bool
                        ) -> list[bool]:
-        """Reserve -> copy -> Commit, the Reserve pipelined with the copy: the keys go
-        in chunks (:func:`_chunks`: the first ~4 MiB, each next twice as large), and
-        chunk k+1's Reserve is in flight while chunk k's values are copied, so the
-        daemon's reservation work (~0.5 ms per 64 keys of a full pool: each evicts)
-        runs beside the copy instead of before it. The Commit of every key follows the
-        task's last checkpoint (``decide``): nothing is visible before the call has
-        decided to succeed. Per key whether it is stored (EXISTS and BUSY count)."""
+        """Reserve -> copy -> Commit. A save of more keys than the daemon takes in one
+        request goes in slices (:func:`_chunks`), slice k+1's Reserve in flight while
+        slice k's values are copied (the daemon's reservation work runs beside the
+        copy). The Commit of every key follows the task's last checkpoint
+        (``decide``): nothing is visible before the call has decided to succeed. Per
+        key whether it is stored (EXISTS and BUSY count)."""
         keys, sizes = list(req.keys), list(req.sizes)
         wrc = _write_rcache(req.option)
-        chunks = _chunks(sizes, session.max_keys)
+        chunks = _chunks(len(keys), session.max_keys)
 
         def reserve(lo: int, hi: int) -> _Flight:
             return self._send(lambda rid: m.Reserve(rid=rid, keys=keys[lo:hi],
