@@ -33,6 +33,10 @@ class Allocator:
         self._by_start: dict[int, int] = {}
         self._by_end: dict[int, int] = {}
         self._buckets: list[dict[int, None]] = [dict() for _ in range(64)]
+        #: bit b set <=> bucket b holds a free extent: the search for a larger bucket
+        #: is a bit trick instead of a scan of up to 64 buckets (it was ~1 us of the
+        #: ~3 us an allocation took on a pool with free space)
+        self._nonempty = 0
         self._allocated: dict[int, int] = {}
         self.used_bytes = 0
         if self.capacity_bytes > 0:
@@ -42,36 +46,48 @@ class Allocator:
     def _add_free(self, start: int, size: int) -> None:
         self._by_start[start] = size
         self._by_end[start + size] = start
-        self._buckets[size.bit_length() - 1][start] = None
+        b = size.bit_length() - 1
+        self._buckets[b][start] = None
+        self._nonempty |= 1 << b
 
     def _remove_free(self, start: int) -> int:
         size = self._by_start.pop(start)
         del self._by_end[start + size]
-        del self._buckets[size.bit_length() - 1][start]
+        b = size.bit_length() - 1
+        bucket = self._buckets[b]
+        del bucket[start]
+        if not bucket:
+            self._nonempty &= ~(1 << b)
         return size
 
     def round_up(self, size: int) -> int:
         """The number of bytes an allocation of ``size`` really takes."""
         a = self.alignment
-        return max(a, (size + a - 1) // a * a)
+        need = -(-size // a) * a
+        return need if need > a else a
 
     # ---------------------------------------------------------------- public
     def alloc(self, size: int) -> Optional[int]:
         """Return the offset of ``size`` free bytes, or None when no extent fits."""
-        need = self.round_up(size)
+        return self.alloc_rounded(self.round_up(size))
+
+    def alloc_rounded(self, need: int) -> Optional[int]:
+        """:meth:`alloc` of a size already rounded up (:meth:`round_up`)."""
         first = need.bit_length() - 1
         start = None
-        for i, candidate in enumerate(self._buckets[first]):
-            if self._by_start[candidate] >= need:
-                start = candidate
-                break
-            if i >= _SCAN:
-                break
-        if start is None:
-            for bucket in self._buckets[first + 1:]:
-                if bucket:
-                    start = next(iter(bucket))
+        nonempty = self._nonempty
+        if nonempty >> first & 1:
+            for i, candidate in enumerate(self._buckets[first]):
+                if self._by_start[candidate] >= need:
+                    start = candidate
                     break
+                if i >= _SCAN:
+                    break
+        if start is None:
+            higher = nonempty >> (first + 1)
+            if higher:  # the lowest non-empty bucket above: any of its extents fits
+                b = first + (higher & -higher).bit_length()
+                start = next(iter(self._buckets[b]))
         if start is None and len(self._buckets[first]) > _SCAN:
             # Rare: only extents of this bucket are left; look at all of them before
             # answering "no room" (which would make the pool evict).
@@ -137,3 +153,5 @@ class Allocator:
             prev_kind = kind
         assert pos == self.capacity_bytes, (pos, self.capacity_bytes)
         assert self.used_bytes == sum(self._allocated.values())
+        assert self._nonempty == sum(1 << b for b, bucket in enumerate(self._buckets)
+                                     if bucket)

@@ -505,7 +505,7 @@ class Pool:
         need = allocator.round_up(size)
         limit = self.capacity_bytes  # the usage limit (the arena itself, unless lowered)
         if allocator.used_bytes + need <= limit:
-            offset = allocator.alloc(size)
+            offset = allocator.alloc_rounded(need)
             if offset is not None:
                 return offset
         while True:
@@ -520,7 +520,7 @@ class Pool:
                 return obj.offset
             allocator.free(obj.offset)
             if allocator.used_bytes + need <= limit:
-                offset = allocator.alloc(size)
+                offset = allocator.alloc_rounded(need)
                 if offset is not None:
                     return offset
 
