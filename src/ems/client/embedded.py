@@ -64,7 +64,8 @@ class EmbeddedTransport(Transport):
                  ) -> tuple[None, list[Slot]]:
         with self._lock:
             self._check()
-            grants = self.pool.reserve([self._key(k) for k in keys], sizes)
+            ns = self._ns
+            grants = self.pool.reserve([ns + k for k in keys], sizes)
         return None, [Slot(_STATUS[g.status], g.token,
                            self.segment if g.status is PoolGrant.NEW else None,
                            g.offset, g.size) for g in grants]

@@ -42,12 +42,12 @@ class V0Mover:
               save: bool) -> None:
         if not locs:
             return
-        copy = _copy.copy_bytes
+        copy, checkpoint, regions = _copy.copy_bytes, task.checkpoint, self.regions
         with locs[0][0].use():  # (one request's locations are in one segment)
             for i, (seg, offset) in zip(items, locs):
                 addr = seg.address + offset
-                for ptr, n in self.regions[i]:
-                    task.checkpoint()
+                for ptr, n in regions[i]:
+                    checkpoint()
                     if save:
                         copy(addr, ptr, n)
                     else:

@@ -21,8 +21,11 @@ class LruPolicy:
 
     def insert(self, key: Hashable) -> None:
         """``key`` became evictable (committed, or its last pin was released)."""
-        self._order[key] = None
-        self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:  # (a new key goes to the end by itself)
+            order[key] = None
 
     def touch(self, key: Hashable) -> None:
         """``key`` was used; keep it longer."""
