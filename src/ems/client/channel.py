@@ -99,7 +99,8 @@ class Channel:
         self._write_poll = select.poll()
         self._write_poll.register(sock.fileno(), select.POLLOUT)
         self.fileno = sock.fileno()
-        #: ``poll_in(timeout_ms)``: the raw poll for readability (the spin loop's)
+        #: ``poll_in(timeout_ms)``: the poll for readability (bytes or the end: a
+        #: non-empty list); 0 polls without waiting (the spin loop)
         self.poll_in = self._read_poll.poll
 
     # ------------------------------------------------------------ opening
@@ -199,10 +200,6 @@ class Channel:
                 raise Timeout(f"a send to ems-server ran out of time after {sent} of "
                               f"{total} bytes; the connection is replaced", partial=True)
             raise Timeout("ems-server does not read its socket")
-
-    def readable(self, timeout_ms: int) -> bool:
-        """Whether bytes (or the end) can be read now / within ``timeout_ms``."""
-        return bool(self._read_poll.poll(timeout_ms))
 
     def recv(self) -> Optional[bytes]:
         """Bytes that arrived (None: none after all, a false positive of poll); the

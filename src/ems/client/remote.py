@@ -298,18 +298,17 @@ class RemoteTransport(Transport):
         whether the next slice is still wanted (a load stops at its first miss). If a
         slice fails, ``undo(session, replies)`` gives back what the earlier ones got."""
         session = self._ready(task)
-        step, replies, lo = session.max_keys, [], 0
+        replies: list = []
         try:
-            while True:
-                hi = min(n, lo + step)
+            for lo, hi in _chunks(n, session.max_keys) or [(0, 0)]:  # (empty: one request)
                 _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task,
                                       session, spin)
                 if type(reply) is not cls:
                     raise bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
                 replies.append(reply)
                 if hi >= n or not more(reply, hi - lo):
-                    return session, replies
-                lo = hi
+                    break
+            return session, replies
         except BaseException:
             if replies:
                 undo(session, replies)

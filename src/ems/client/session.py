@@ -306,7 +306,7 @@ class Session:
         without sleeping (the reply is ~30-50 us away; a sleep costs a wake-up)."""
         spin_until = _monotonic() + spin_s if spin_s > 0 else 0.0
         channel, proto = self.channel, self._proto
-        readable, recv, poll_in = channel.readable, channel.recv, channel.poll_in
+        recv, poll_in = channel.recv, channel.poll_in
         try:
             while True:
                 if waiter is not None:
@@ -325,7 +325,7 @@ class Session:
                         _yield()  # a runnable daemon on this CPU goes first
                         ready = poll_in(0)
                     spin_until = 0.0
-                if not ready and not readable(math.ceil(remaining * 1000)):
+                if not ready and not poll_in(math.ceil(remaining * 1000)):
                     continue
                 data = recv()
                 if data is not None:

@@ -65,7 +65,7 @@ from typing import Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import GrantStatus, Pool
-from ems.protocol import PROTOCOL_VERSION, encode_wire
+from ems.protocol import PROTOCOL_VERSION
 from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
 from ems.server import cluster_tier as _cluster_tier
@@ -510,8 +510,9 @@ class Daemon:
 
     # ------------------------------------------------------------ output
     def _reply(self, conn: _Conn, wire: list[Any]) -> None:
-        """Answer with a reply in its wire form (``Cls.wire(...)``: no object built)."""
-        self._send_frame(conn, encode_wire(wire))
+        """Answer with a reply in its wire form (``Cls.wire(...)``: no object built);
+        the connection says whether one may be sent now."""
+        self._send_frame(conn, conn.proto.reply(wire))
 
     def _error(self, conn: _Conn, rid: int, code: EmsErrorCode, message: str) -> None:
         """Refuse one request (the connection stays)."""
