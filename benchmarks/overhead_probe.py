@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -71,20 +69,13 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from ems.bench.systems import EmsDaemon, EmsSystem, touched
+    from ems.bench.systems import ems_pool, touched
     from ems.bench.workloads import _v1_cache
     from ems.client import copy as ems_copy
     from ems.client import native
 
     capacity = 512 << 20
-    tmp = tempfile.mkdtemp(prefix="ems-overhead-")
-    daemon = None
-    try:
-        if args.pool == "daemon":
-            daemon = EmsDaemon(os.path.join(tmp, "ems"), capacity, tmp)
-            system = EmsSystem("daemon", capacity, socket_dir=daemon.socket_dir)
-        else:
-            system = EmsSystem("embedded", capacity)
+    with ems_pool(args.pool, capacity, "ems-overhead-") as system:
         size, n = args.value_kib << 10, args.keys
         src = touched(size * n).reshape(n, size)
         dst = touched(size * n).reshape(n, size)
@@ -124,11 +115,6 @@ def main(argv: list[str]) -> int:
             if res.success != res.total:
                 raise RuntimeError(f"V1 load found {res.success}/{res.total}")
         _measure(f"V1 load block {bs}, {args.tokens} tok", load_v1, sweep, args.reps)
-        system.close()
-    finally:
-        if daemon is not None:
-            daemon.close()
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

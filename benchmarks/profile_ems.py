@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from ems.bench.systems import EmsDaemon, EmsSystem
+from ems.bench.systems import EmsSystem, ems_pool
 
 _acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
@@ -157,23 +155,9 @@ def main(argv: list[str]) -> int:
         rest = [a for a in argv if a != "--py-spy" and a != args.py_spy]
         return subprocess.call(["py-spy", "record", "--threads", "-r", "1000", "-o",
                                 args.py_spy, "--", sys.executable, __file__, *rest])
-    tmp = tempfile.mkdtemp(prefix="ems-profile-")
-    daemon = None
-    try:
-        if args.pool == "daemon":
-            daemon = EmsDaemon(os.path.join(tmp, "ems"), args.capacity, tmp)
-            system = EmsSystem("daemon", args.capacity, socket_dir=daemon.socket_dir)
-        else:
-            system = EmsSystem("embedded", args.capacity)
+    with ems_pool(args.pool, args.capacity, "ems-profile-") as system:
         instrument(system)
-        try:
-            run(system, args)
-        finally:
-            system.close()
-    finally:
-        if daemon is not None:
-            daemon.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        run(system, args)
     return 0
 
 

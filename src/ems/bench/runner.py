@@ -166,6 +166,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if ctx.rows else 1
 
 
+def _why(exc: Exception) -> str:
+    """A system's setup failure as its problem line (``Unavailable`` says why itself)."""
+    return str(exc) if isinstance(exc, Unavailable) else f"{type(exc).__name__}: {exc}"
+
+
 def _start_mooncake_tcp(ctx: Context, stack: contextlib.ExitStack,
                         peers: dict[str, Any]) -> None:
     """The cross-host Mooncake rows, one per layout (master + host A + host B, and for
@@ -175,11 +180,8 @@ def _start_mooncake_tcp(ctx: Context, stack: contextlib.ExitStack,
         try:
             system = MooncakeTcpSystem(ctx.work_dir, ctx.params.capacity_bytes,
                                        layout=layout)
-        except Unavailable as exc:
-            ctx.problem(name, "setup", str(exc))
-            continue
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
-            ctx.problem(name, "setup", f"{type(exc).__name__}: {exc}")
+            ctx.problem(name, "setup", _why(exc))
             continue
         stack.callback(system.close)
         ctx.systems[system.name] = system
@@ -257,11 +259,8 @@ def _start_systems(ctx: Context, stack: contextlib.ExitStack, want: list[str],
                 continue
             else:  # pragma: no cover - _names filters
                 continue
-        except Unavailable as exc:
-            ctx.problem(name, "setup", str(exc))
-            continue
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
-            ctx.problem(name, "setup", f"{type(exc).__name__}: {exc}")
+            ctx.problem(name, "setup", _why(exc))
             continue
         ctx.systems[name] = system
         stack.callback(system.close)

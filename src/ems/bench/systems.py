@@ -22,6 +22,7 @@ LRU eviction, as it does in service.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib.util
@@ -29,7 +30,8 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+import tempfile
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -196,6 +198,29 @@ class EmsDaemon:
 
     def close(self) -> None:
         self.service.stop()
+
+
+@contextlib.contextmanager
+def ems_pool(pool: str, capacity_bytes: int, prefix: str = "ems-") -> Iterator["EmsSystem"]:
+    """An :class:`EmsSystem` on the embedded pool (``pool`` "embedded") or through a
+    fresh ems-server in a temp dir ("daemon"): the profiling scripts' set-up; the
+    system, the daemon and the dir are gone afterwards."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    daemon = None
+    try:
+        if pool == "daemon":
+            daemon = EmsDaemon(os.path.join(tmp, "ems"), capacity_bytes, tmp)
+            system = EmsSystem("daemon", capacity_bytes, socket_dir=daemon.socket_dir)
+        else:
+            system = EmsSystem("embedded", capacity_bytes)
+        try:
+            yield system
+        finally:
+            system.close()
+    finally:
+        if daemon is not None:
+            daemon.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _unix_accepts(path: str) -> bool:
