@@ -34,23 +34,14 @@ accept) and per tenant (at hello), lease space per connection and per tenant (no
 lease: small saves then take reserve/commit). Each refusal is counted
 (``report()["server"]["refused"]``).
 
-Accept under fd pressure (EMFILE): the listener stays readable while accept fails, so
-polling it again at once spins a core (and, logging each failure, wrote megabytes of
-log per second). Instead the daemon closes the oldest connection that never finished
-its handshake, stops polling the listener for a backoff (50 ms doubling to 1 s, reset
-by the next successful accept) and warns at most once per ``_WARN_EVERY_S``; the
-connected clients are served meanwhile::
-
-    LISTENING --accept fails: EMFILE--> PAUSED (listener out of epoll, backoff)
-        ^                                  |
-        +----- backoff over: poll again ---+
+The listening socket (taking the path, accept under fd pressure with a backoff) is
+``ems.server.listener``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
@@ -58,8 +49,6 @@ import secrets
 import select
 import signal
 import socket
-import stat
-import struct
 import time
 from typing import Any, Callable, Optional
 
@@ -70,6 +59,7 @@ from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
 from ems.server import cluster_tier as _cluster_tier
 from ems.server.config import Limits, ServerConfig
+from ems.server.listener import Listener, ListenError, RateLimitedLog
 from ems.server.tenants import Tenant, TenantRegistry
 
 __all__ = ["Daemon", "DaemonError"]
@@ -80,13 +70,8 @@ MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is d
 #: Bytes asked of one recv. Not more: CPython allocates that much for every recv, and
 #: past malloc's mmap threshold (128 KiB) each call maps and unmaps it (~15 us).
 _RECV_BYTES = 64 << 10
-_PEERCRED = struct.Struct("3i")
 #: A readable connection: data, EOF or an error (recv tells which).
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-#: accept failures that mean "no fd or memory for a new connection now"
-_PRESSURE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.05, 1.0
-_WARN_EVERY_S = 10.0
 #: requests whose field of this name is a list of keys (or of tokens / ranges) to
 #: bound, as its position (from the message's one definition)
 _KEYS_AT: dict[type[m.Message], int] = {
@@ -138,7 +123,10 @@ class Daemon:
         self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its _Conn
         self._conns: dict[int, _Conn] = {}
         self._ids = 0
-        self._listener: Optional[socket.socket] = None
+        self._warnings = RateLimitedLog()
+        self._listener = Listener(self.path, config.socket_mode,
+                                  lambda sock: self._watch(sock, "listen"), self._unwatch,
+                                  self._warnings)
         self._lock_fd = -1
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -161,10 +149,6 @@ class Daemon:
                                "max_str_len": 4 * limits.max_key_bytes,
                                "max_bin_len": 4096, "max_map_len": 64, "max_ext_len": 0}
         self._per_uid: collections.Counter = collections.Counter()
-        self._listen_paused_until = 0.0  # fd pressure: not polling the listener until
-        self._backoff_s = _BACKOFF_MIN_S
-        self._warned_at = -_WARN_EVERY_S
-        self._unwarned = 0
         #: the shared tier (``--cluster``), started with the daemon; None: this host only
         self.cluster: Optional[_cluster_tier.ClusterTier] = None
 
@@ -198,47 +182,18 @@ class Daemon:
             raise DaemonError(f"another ems-server is running on {path}; stop it first "
                               f"(or give this one another socket_dir)") from None
         try:
-            self._take_socket(path)
+            self._listener.take()
+        except ListenError as exc:
+            self._release_lock()
+            raise DaemonError(str(exc)) from None
         except BaseException:
             self._release_lock()
             raise
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
-        assert self._listener is not None
-        self._watch(self._listener, "listen")
         self._watch(self._wake_r, "wake")
         self._started = time.monotonic()
-
-    def _take_socket(self, path: str) -> None:
-        if os.path.lexists(path):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise DaemonError(f"{path} exists and is not a socket; refusing to replace it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(path)
-            except OSError:
-                logger.info("ems-server: replacing the stale socket %s", path)
-                os.unlink(path)
-            else:
-                raise DaemonError(f"a process is serving {path} already; refusing to start")
-            finally:
-                probe.close()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o777 & ~self.config.socket_mode)
-        try:
-            listener.bind(path)
-        except OSError as exc:
-            listener.close()
-            raise DaemonError(f"cannot bind {path}: {exc.strerror}") from exc
-        finally:
-            os.umask(old)
-        os.chmod(path, self.config.socket_mode)
-        listener.listen(128)
-        listener.setblocking(False)
-        self._listener = listener
-        self._inode = os.stat(path).st_ino
 
     def request_stop(self) -> None:
         """Ask the loop to stop (signal-safe)."""
@@ -286,6 +241,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: self.request_stop())
         poll, spin_s = self._epoll.poll, self.config.spin_us / 1e6
+        listener = self._listener
         try:
             next_tick = time.monotonic() + self._tick_s
             busy_until = 0.0  # busy-poll until then (``spin_us`` after the last event)
@@ -296,8 +252,8 @@ class Daemon:
                     events = poll(0)
                 if not events:
                     wake_at = next_tick
-                    if self._listen_paused_until:
-                        wake_at = min(wake_at, self._listen_paused_until)
+                    if listener.paused_until:
+                        wake_at = min(wake_at, listener.paused_until)
                     events = poll(max(0.0, wake_at - time.monotonic()))
                 if spin_s and events:
                     busy_until = time.monotonic() + spin_s
@@ -305,8 +261,8 @@ class Daemon:
                     data = self._by_fd.get(fd)
                     if data is not None:
                         self._dispatch(data, mask)
-                if self._listen_paused_until and time.monotonic() >= self._listen_paused_until:
-                    self._resume_listener()
+                if listener.paused_until:
+                    listener.resume_if_due(time.monotonic())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + self._tick_s
@@ -322,15 +278,7 @@ class Daemon:
             self.cluster = None
         for conn in list(self._conns.values()):
             self._close(conn, "ems-server is stopping")
-        if self._listener is not None:
-            self._unwatch(self._listener)
-            self._listener.close()
-            self._listener = None
-            try:  # only our own socket: a successor may have replaced it
-                if os.stat(self.path).st_ino == self._inode:
-                    os.unlink(self.path)
-            except OSError:
-                pass
+        self._listener.close()
         for s in (self._wake_r, self._wake_w):
             if s is not None:
                 self._unwatch(s)
@@ -394,25 +342,7 @@ class Daemon:
                                               "handshake not finished in time"))
 
     def _accept(self) -> None:
-        assert self._listener is not None
-        for _ in range(64):
-            try:
-                sock, _addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _PRESSURE:
-                    self._under_pressure(exc)
-                else:  # a connection that died in the backlog: keep serving
-                    logger.debug("ems-server: accept failed: %s", exc)
-                return
-            self._backoff_s = _BACKOFF_MIN_S
-            sock.setblocking(False)
-            try:
-                pid, uid, _gid = _PEERCRED.unpack(
-                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            except OSError:
-                pid = uid = -1
+        for sock, pid, uid in self._listener.accept(self._make_room, len(self._conns)):
             if self._per_uid[uid] >= self.limits.max_connections_per_uid:
                 self._refuse_at_accept(sock, uid)
                 continue
@@ -427,16 +357,16 @@ class Daemon:
         self.refused["max_connections_per_uid"] += 1
         message = (f"uid {uid} holds {self._per_uid[uid]} connections to this ems-server, "
                    f"its limit (max_connections_per_uid); retry once some have closed")
-        self._warn_limited(f"ems-server: refused a connection: {message}")
+        self._warnings.warn(f"ems-server: refused a connection: {message}")
         try:
             sock.send(ServerConnection().refuse(EmsErrorCode.EMS_RECOVERD_ERROR, message))
         except OSError:
             pass
         sock.close()
 
-    def _under_pressure(self, exc: OSError) -> None:
-        """No fd (or memory) for a new connection: make room and back off (see the
-        module docstring)."""
+    def _make_room(self) -> None:
+        """No fd (or memory) for a new connection: the oldest one that never finished
+        its handshake goes (``ems.server.listener``)."""
         self.refused["accept_fd_pressure"] += 1
         idle = [c for c in self._conns.values() if c.phase in (Phase.HELLO, Phase.AUTH)]
         if idle:
@@ -445,29 +375,6 @@ class Daemon:
                                             "ems-server is out of file descriptors; "
                                             "connections that never finished their "
                                             "handshake go first"))
-        if self._listener is not None and not self._listen_paused_until:
-            self._unwatch(self._listener)
-        self._listen_paused_until = time.monotonic() + self._backoff_s
-        self._warn_limited(f"ems-server: accept failed ({exc.strerror}): not accepting "
-                           f"for {self._backoff_s * 1000:.0f} ms; {len(self._conns)} "
-                           f"connection(s) open")
-        self._backoff_s = min(_BACKOFF_MAX_S, self._backoff_s * 2)
-
-    def _resume_listener(self) -> None:
-        self._listen_paused_until = 0.0
-        if self._listener is not None:
-            self._watch(self._listener, "listen")
-
-    def _warn_limited(self, message: str) -> None:
-        """A warning at most once per ``_WARN_EVERY_S`` (with how many were held back)."""
-        now = time.monotonic()
-        if now - self._warned_at < _WARN_EVERY_S:
-            self._unwarned += 1
-            return
-        if self._unwarned:
-            message += f" ({self._unwarned} similar message(s) suppressed)"
-        logger.warning("%s", message)
-        self._warned_at, self._unwarned = now, 0
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -643,7 +550,7 @@ class Daemon:
             self.refused["max_connections_per_tenant"] += 1
             message = (f"tenant {tenant.name} holds {tenant.connections} connections, its "
                        f"limit (max_connections_per_tenant); retry once some have closed")
-            self._warn_limited(f"ems-server: refused {conn}: {message}")
+            self._warnings.warn(f"ems-server: refused {conn}: {message}")
             self._send_frame(conn, conn.proto.refuse(EmsErrorCode.EMS_RECOVERD_ERROR, message))
             self._close(conn, message)
             return
@@ -848,7 +755,7 @@ class Daemon:
                 "limits": dataclasses.asdict(self.limits),
                 "refused": dict(self.refused),
                 "buffered_bytes": self._buffered,
-                "accepting": not self._listen_paused_until,
+                "accepting": not self._listener.paused_until,
             },
             "tenants": {},
         }
