@@ -83,7 +83,7 @@ class Task:
             if self._state is not _State.QUEUED:
                 return False
             if self.deadline is not None and time.monotonic() >= self.deadline:
-                self._finish_locked(None, self._timeout_error())
+                self._finish_locked(None, self.timeout_error())
                 return False
             self._state = _State.RUNNING
             return True
@@ -118,11 +118,8 @@ class Task:
     def finish(self, result: Optional[CcResult], error: Optional[EmsException]) -> None:
         with self._lock:
             if self._cancelled and error is None:
-                result, error = None, self._timeout_error()
+                result, error = None, self.timeout_error()
             self._finish_locked(result, error)
-
-    def finish_cancelled(self) -> None:
-        self.finish(None, self._timeout_error())
 
     def _finish_locked(self, result: Optional[CcResult], error: Optional[EmsException]) -> None:
         if self._finished:
@@ -133,7 +130,8 @@ class Task:
         if self._done is not None:
             self._done.set()
 
-    def _timeout_error(self) -> EmsException:
+    def timeout_error(self) -> EmsException:
+        """What the caller gets once the task was cancelled (its deadline passed)."""
         return EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
                             f"{self.what} did not finish within timeout={self.timeout_ms} ms")
 
@@ -151,7 +149,7 @@ class Task:
             if not self._done.wait(self.remaining_s()):
                 with self._lock:
                     if self._state is _State.QUEUED:
-                        self._finish_locked(None, self._timeout_error())
+                        self._finish_locked(None, self.timeout_error())
                     elif self._state is _State.RUNNING:
                         self._cancelled = True
                 # The worker stops at its next checkpoint (or is publishing already).
