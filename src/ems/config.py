@@ -190,6 +190,10 @@ def validate_option(option: Any, *, required: bool) -> "CcKvOption":
         return CcKvOption()
     if not isinstance(option, CcKvOption):
         raise invalid(f"option must be a CcKvOption, got {type(option).__name__}")
+    t = option.timeout
+    if type(option.write_rcache) is bool and type(option.read_local_only) is bool and \
+            type(t) is int and t >= 0:  # every call checks: the valid case inline
+        return option
     _bool(option.write_rcache, "option.write_rcache")
     _bool(option.read_local_only, "option.read_local_only")
     _int(option.timeout, "option.timeout", 0)

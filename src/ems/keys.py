@@ -111,7 +111,9 @@ def v0_storage_keys(key_list: Any) -> list[str]:
         raise invalid("key_list must not be empty")
     out = []
     for i, key in enumerate(key_list):
-        if isinstance(key, PrimaryKey):
+        if type(key) is str and 0 < len(key) < MAX_KEY_LEN:  # the common case inline
+            out.append("v0:s:" + key)
+        elif isinstance(key, PrimaryKey):
             d = _key_part(key.distribute_key, i, ".distribute_key")
             a = _key_part(key.attribute_key, i, ".attribute_key")
             out.append(f"v0:p:{len(d)}:{d}{a}")
@@ -144,6 +146,12 @@ def validate_buffers(value_list: Any, n_keys: int
             raise invalid(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
         regions, total = [], 0
         for j, buf in enumerate(buffers):
+            if type(buf) is KvBufferWrapper:  # the common case inline: int fields > 0
+                ptr, length = buf.data_ptr, buf.length
+                if type(ptr) is int and type(length) is int and ptr > 0 and length > 0:
+                    regions.append((ptr, length))
+                    total += length
+                    continue
             if not isinstance(buf, KvBufferWrapper):
                 raise invalid(f"value_list[{i}][{j}] must be a KvBufferWrapper, got "
                               f"{type(buf).__name__}")

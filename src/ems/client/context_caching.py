@@ -234,11 +234,15 @@ class ContextCaching:
         return self._normalize_v0(op, args, kwargs)
 
     def _normalize_v0(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
-        names = ("option", "key_list", "value_list")
-        bound = self._bind(op, names, args, kwargs)
-        option = validate_option(bound.get("option"), required=True)
-        storage_keys = _keys.v0_storage_keys(bound.get("key_list"))
-        regions, sizes = _keys.validate_buffers(bound.get("value_list"), len(storage_keys))
+        if len(args) == 3 and not kwargs:  # how real clients call
+            option, key_list, value_list = args
+        else:
+            bound = self._bind(op, ("option", "key_list", "value_list"), args, kwargs)
+            option, key_list, value_list = (bound.get("option"), bound.get("key_list"),
+                                            bound.get("value_list"))
+        option = validate_option(option, required=True)
+        storage_keys = _keys.v0_storage_keys(key_list)
+        regions, sizes = _keys.validate_buffers(value_list, len(storage_keys))
         return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:

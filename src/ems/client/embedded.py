@@ -63,16 +63,18 @@ class EmbeddedTransport(Transport):
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task
                  ) -> tuple[None, list[Slot]]:
         with self._lock:
-            self._check()
+            if self._closed:
+                self._check()
             ns = self._ns
             grants = self.pool.reserve([ns + k for k in keys], sizes)
-        return None, [Slot(_STATUS[g.status], g.token,
-                           self.segment if g.status is PoolGrant.NEW else None,
+        status, segment, new = _STATUS, self.segment, PoolGrant.NEW
+        return None, [Slot(status[g.status], g.token, segment if g.status is new else None,
                            g.offset, g.size) for g in grants]
 
     def _commit(self, _handle: None, tokens: list[int], task: Task) -> list[bool]:
         with self._lock:
-            self._check()
+            if self._closed:
+                self._check()
             return self.pool.commit(tokens)
 
     def _abort(self, _handle: None, tokens: list[int]) -> None:

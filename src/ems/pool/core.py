@@ -114,15 +114,26 @@ class _State(enum.Enum):
     COMMITTED = "committed"
 
 
-@dataclasses.dataclass
+_RESERVED, _COMMITTED = _State.RESERVED, _State.COMMITTED
+_NEW, _EXISTS, _BUSY = GrantStatus.NEW, GrantStatus.EXISTS, GrantStatus.BUSY
+_FULL, _TOO_LARGE = GrantStatus.FULL, GrantStatus.TOO_LARGE
+
+
 class _Object:
-    key: Hashable
-    offset: int
-    size: int
-    state: _State
-    owner: Hashable
-    expires_at: float = 0.0
-    pins: int = 0
+    """One key's entry in the index (a slotted class: made per reserve, ~0.3 us
+    cheaper than a dataclass)."""
+
+    __slots__ = ("key", "offset", "size", "state", "owner", "expires_at", "pins")
+
+    def __init__(self, key: Hashable, offset: int, size: int, state: _State,
+                 owner: Hashable, expires_at: float = 0.0) -> None:
+        self.key = key
+        self.offset = offset
+        self.size = size
+        self.state = state
+        self.owner = owner
+        self.expires_at = expires_at
+        self.pins = 0
 
 
 class _Lease:
@@ -174,39 +185,40 @@ class Pool:
     def reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
                 owner: Hashable = None) -> list[Grant]:
         """Reserve space for each key (all or nothing per key, never per batch)."""
-        now = self._clock()
+        expires_at = self._clock() + self.reservation_ttl_s
         grants = []
         # Keys of this batch answered EXISTS count as stored: a later key of the same
         # batch must not evict them to make room (it gets FULL instead), so they leave
         # the policy until the batch is done, like the batch's own reservations.
         held: list[Hashable] = []
+        objects, round_up, capacity = self._objects, self.allocator.round_up, self.capacity_bytes
         try:
             for key, size in zip(keys, sizes):
-                obj = self._objects.get(key)
+                obj = objects.get(key)
                 if obj is not None:
-                    if obj.state is _State.COMMITTED:
+                    if obj.state is _COMMITTED:
                         if obj.pins == 0:  # (pinned keys are out of the policy already)
                             self._policy.remove(key)
                             held.append(key)
-                        grants.append(Grant(GrantStatus.EXISTS, size=obj.size))
+                        grants.append(Grant(_EXISTS, 0, 0, obj.size))
                     else:
-                        grants.append(Grant(GrantStatus.BUSY))
+                        grants.append(Grant(_BUSY))
                     continue
-                if self.allocator.round_up(size) > self.capacity_bytes:
+                need = round_up(size)
+                if need > capacity:
                     self._refused_too_large += 1
-                    grants.append(Grant(GrantStatus.TOO_LARGE))
+                    grants.append(Grant(_TOO_LARGE))
                     continue
-                offset = self._alloc(size)
+                offset = self._alloc(need)
                 if offset is None:
                     self._refused_full += 1
-                    grants.append(Grant(GrantStatus.FULL))
+                    grants.append(Grant(_FULL))
                     continue
-                obj = _Object(key, offset, size, _State.RESERVED, owner,
-                              expires_at=now + self.reservation_ttl_s)
+                obj = _Object(key, offset, size, _RESERVED, owner, expires_at)
                 token = next(self._tokens)
-                self._objects[key] = obj
+                objects[key] = obj
                 self._reservations[token] = obj
-                grants.append(Grant(GrantStatus.NEW, token, offset, size))
+                grants.append(Grant(_NEW, token, offset, size))
         finally:
             for key in held:  # back in, most recently used, in batch order
                 self._policy.insert(key)
@@ -240,7 +252,7 @@ class Pool:
     def lease(self, size: int, owner: Hashable) -> Optional[int]:
         """Give ``owner`` an extent of ``size`` bytes (evicting LRU objects for it, as a
         reservation would); its offset, or None when there is no room."""
-        offset = self._alloc(size)
+        offset = self._alloc(self.allocator.round_up(size))
         if offset is None:
             return None
         need = self.allocator.size_of(offset)
@@ -492,8 +504,9 @@ class Pool:
         return [k for k, o in self._objects.items() if o.state is _State.COMMITTED]
 
     # ------------------------------------------------------------------ internals
-    def _alloc(self, size: int) -> Optional[int]:
-        """Space for ``size`` bytes, evicting LRU victims as needed.
+    def _alloc(self, need: int) -> Optional[int]:
+        """Space for ``need`` bytes (a size rounded up by the allocator), evicting LRU
+        victims as needed.
 
         On a full pool (the steady state of a cache) every key evicts: the first
         ``alloc`` is skipped when the free bytes cannot hold it, and a victim of the
@@ -502,7 +515,6 @@ class Pool:
         256 KiB on a full pool: ~7.6 -> ~3.8 us per key).
         """
         allocator = self.allocator
-        need = allocator.round_up(size)
         limit = self.capacity_bytes  # the usage limit (the arena itself, unless lowered)
         if allocator.used_bytes + need <= limit:
             offset = allocator.alloc_rounded(need)
