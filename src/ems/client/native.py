@@ -1,10 +1,11 @@
 """The optional native bulk copy (``ems._native``, see ``src/ems/_native.c``).
 
+``copy_one(dst, src, n)`` copies one run (the module's own function: no ctypes call).
 ``copy_runs(dst, src, lengths)`` copies run ``i`` of ``lengths[i]`` bytes from address
 ``src[i]`` to ``dst[i]``, for int64 tensors of addresses, in one C loop with the GIL
 released; ``copy_table`` does the same for rows of such arrays given by address.
 ``available()`` is False where the extension was not built (no compiler); callers
-then use torch's gather/scatter.
+then use torch's gather/scatter and ``ctypes.memmove``.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ copy_one: Optional[Any] = None
 try:
     import importlib
 
-    _lib = ctypes.CDLL(str(importlib.import_module("ems._native").__file__))
+    _module = importlib.import_module("ems._native")
+    _lib = ctypes.CDLL(str(_module.__file__))
     _fn = _lib.ems_copy_runs
     _fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_int64]
     _fn.restype = None
-    copy_one = _lib.ems_copy
-    copy_one.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    copy_one.restype = None
+    copy_one = _module.copy
 except (ImportError, OSError, AttributeError):  # pragma: no cover - no compiler at install
     _fn = None
 

@@ -13,6 +13,13 @@ this mapping (which stays valid), and the mapping goes with the last one. Relyin
 the garbage collector instead left the old pool mapped after every daemon restart
 (an exception a client kept held the old session through its traceback): a host held
 two pools' worth of shared memory.
+
+The copies in flight are counted without a lock: ``use()`` appends to a list and its
+end pops, both atomic under the GIL, and ``retire`` marks the segment *before* it
+looks at the count, while a copy looks at the mark *after* it counted itself; so
+either the retirer sees the copy (and the copy's end unmaps) or the copy sees the mark
+(and backs out before touching the memory). Entering and leaving cost ~0.3 us, where
+a lock-guarded counter cost ~1.0 us of a ~12 us save.
 """
 
 from __future__ import annotations
@@ -39,9 +46,9 @@ class Segment:
         self.address = ctypes.addressof(self._cbuf)
         self._tensor: Any = None
         self._windows: dict[tuple[Any, int], Any] = {}
-        self._lock = threading.Lock()
-        self._users = 0
-        self._retired = False
+        self._lock = threading.Lock()  # close() only
+        self._users: list[None] = []  # one entry per copy in flight
+        self._retired = False  # no new copy starts (set by retire and close)
         self._use = _Use(self)
 
     def use(self) -> "_Use":
@@ -50,27 +57,10 @@ class Segment:
         ``contextlib.contextmanager`` generator cost ~1.5 us per call of a ~12 us save."""
         return self._use
 
-    def _enter(self) -> None:
-        with self._lock:
-            if self._mm is None:
-                raise EmsException(EmsErrorCode.EMS_IO_ERROR,
-                                   "the pool memory of a lost ems-server connection was "
-                                   "released; retry the call")
-            self._users += 1
-
-    def _exit(self) -> None:
-        with self._lock:
-            self._users -= 1
-            last = self._retired and self._users == 0
-        if last:
-            self.close()
-
     def retire(self) -> None:
         """Unmap as soon as no copy uses the mapping (now, when none does)."""
-        with self._lock:
-            self._retired = True
-            idle = self._users == 0
-        if idle:
+        self._retired = True
+        if not self._users:
             self.close()
 
     @property
@@ -101,11 +91,15 @@ class Segment:
         return view
 
     def close(self) -> None:
-        """Unmap (after the last copy). Safe to call twice."""
+        """Unmap (after the last copy). Safe to call twice, from two threads."""
+        self._retired = True
+        with self._lock:
+            mm, self._mm = self._mm, None
+            if mm is None:
+                return
         self._windows.clear()
         self._tensor = None
         self._cbuf = None
-        mm, self._mm = self._mm, None
         if mm is not None:
             try:
                 mm.close()
@@ -122,8 +116,17 @@ class _Use:
         self._segment = segment
 
     def __enter__(self) -> Segment:
-        self._segment._enter()
-        return self._segment
+        segment = self._segment
+        segment._users.append(None)
+        if segment._retired:  # (looked at after counting itself: see the module doc)
+            self.__exit__()
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                               "the pool memory of a lost ems-server connection was "
+                               "released; retry the call")
+        return segment
 
     def __exit__(self, *exc: object) -> None:
-        self._segment._exit()
+        segment = self._segment
+        segment._users.pop()
+        if segment._retired and not segment._users:  # the last copy of a retired one
+            segment.close()
