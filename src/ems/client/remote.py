@@ -247,11 +247,11 @@ class RemoteTransport(Transport):
                 start = time.monotonic()
                 session = self._live(wait_s)
                 wait_s = max(0.0, wait_s - (time.monotonic() - start))
-        flight = _Flight(session, None, bounded, wait_s)
         try:
-            return flight._replace(pending=session.send(msg_for, wait_s))
+            pending = session.send(msg_for, wait_s)
         except Timeout:
-            raise self._timed_out(flight, task) from None
+            raise self._timed_out(_Flight(session, None, bounded, wait_s), task) from None
+        return _Flight(session, pending, bounded, wait_s)
 
     def _reply(self, flight: "_Flight", task: Optional[Task], spin: bool = False
                ) -> m.Message:

@@ -403,7 +403,9 @@ class Session:
         :class:`Timeout`: with the connection as it was when no byte went out, failed
         when part of the frame did (see the module docstring). Waiting releases go
         right behind it, in the same ``send`` (the daemon answers the frame first)."""
-        if not self._send_lock.acquire(timeout=max(0.0, deadline - _monotonic())):
+        lock = self._send_lock
+        if not lock.acquire(False) and \
+                not lock.acquire(timeout=max(0.0, deadline - _monotonic())):
             raise Timeout("another sender holds the socket")
         carried: list[int] = []
         try:
