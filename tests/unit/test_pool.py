@@ -50,6 +50,8 @@ def test_lru_policy_order():
     assert lru.victim() == "c" and len(lru) == 2
     lru.insert("c")  # re-insert moves to the end
     assert lru.victim() == "a"
+    assert lru.pop_victim() == "a" and lru.pop_victim() == "c"  # removed as taken
+    assert lru.pop_victim() is None and lru.victim() is None and len(lru) == 0
 
 
 # ----------------------------------------------------------------- writes and reads

@@ -491,10 +491,9 @@ class Pool:
         self.capacity_bytes = limit
         allocator = self.allocator
         while allocator.used_bytes > limit:
-            victim = self._policy.victim()
+            victim = self._policy.pop_victim()
             if victim is None:
                 break
-            self._policy.remove(victim)
             self._drop(self._objects[victim])
             self._evictions += 1
         return limit
@@ -520,13 +519,13 @@ class Pool:
             offset = allocator.alloc_rounded(need)
             if offset is not None:
                 return offset
+        pop_victim, objects = self._policy.pop_victim, self._objects
         while True:
-            victim = self._policy.victim()
+            victim = pop_victim()
             if victim is None:
                 return None
-            self._policy.remove(victim)
-            obj = self._objects[victim]
-            self._forget(obj)
+            obj = objects.pop(victim)  # (the policy holds committed objects only)
+            self._committed -= 1
             self._evictions += 1
             if allocator.size_of(obj.offset) == need and allocator.used_bytes <= limit:
                 return obj.offset

@@ -40,5 +40,13 @@ class LruPolicy:
         """The key to evict next, or None when nothing can be evicted."""
         return next(iter(self._order), None)
 
+    def pop_victim(self) -> Optional[Hashable]:
+        """:meth:`victim`, removed from the policy (one call where every reserve on a
+        full pool evicts)."""
+        try:
+            return self._order.popitem(last=False)[0]
+        except KeyError:
+            return None
+
     def __len__(self) -> int:
         return len(self._order)
