@@ -1,10 +1,11 @@
 """ContextCaching: the V0 and V1 request API, one implementation behind sync and async.
 
 Each request is validated and normalised (``ems.keys``) in the caller's thread, so
-bad input raises at once and nothing is stored; then one function, ``_execute``, runs
-it: on one of this object's worker threads for ``async_save``/``async_load`` (the
-caller gets a :class:`CcFuture`), in the caller's own thread for ``save``/``load``
-(which block anyway; this saves two thread switches per call). Deadlines, results and
+bad input raises at once and nothing is stored; then one function, ``_outcome``, runs
+it: on one of this object's worker threads for ``async_save``/``async_load``
+(``_execute`` publishes its result to the caller's :class:`CcFuture`), in the caller's
+own thread for ``save``/``load`` (which block anyway; this saves two thread switches
+per call, and the task's start / finish / wait, which nobody else can see). Deadlines, results and
 errors are the same either way: ``save(...)`` behaves as ``async_save(...).result()``.
 
 * save: ``Transport.save(request, task)`` stores the keys (how is the transport's:
@@ -124,7 +125,7 @@ class ContextCaching:
         """V0 ``save(option, key_list, value_list)`` or V1 ``save(slot_mapping, hashes,
         offsets, option=None)`` / ``save(hashes=..., chunk_descs=..., option=None)``.
 
-        Runs the same ``_execute`` as :meth:`async_save`, in the caller's thread: the
+        Runs the same ``_outcome`` as :meth:`async_save`, in the caller's thread: the
         caller blocks anyway, and handing a 1-key request to a worker and back costs
         two thread switches (~35-50 us of a ~100 us call on a loaded 2-core host)."""
         return self._run_here(self._normalize("save", args, kwargs))
