@@ -89,10 +89,13 @@ def runs(tmp_path_factory):
         for name, (script, extra, _) in RUNS.items()
     }
     yield procs
-    for p in procs.values():
+    for p in procs.values():  # every run, also those no selected test waited for
         if p.poll() is None:
             p.kill()
-            p.communicate()
+        p.wait()
+        for pipe in (p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_every_example_is_run():
