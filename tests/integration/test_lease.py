@@ -320,3 +320,27 @@ def test_a_large_save_that_times_out_mid_copy_leaves_nothing(cc, server, monkeyp
                          "every reservation given back")
     outs = [Value(1 << 20) for _ in keys]
     assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 0
+
+
+def test_every_slice_copies_within_the_reservation_ttl(cc, server, monkeypatch):
+    """A save without a deadline (timeout 0) whose first slice is stored already: the
+    NEW keys of a later slice still copy under the reservation TTL's bound (the task
+    gets a deadline), so a stuck copy cannot outlive its reservations."""
+    from ems.client.movers import V0Mover
+    from ems.keys import Request
+
+    session = cc._transport._session
+    monkeypatch.setattr(session, "max_keys", 8)
+    size = LEASE // 4  # a save of two values is past a quarter of the lease
+    keys = [f"ttl-{i}" for i in range(16)]
+    assert save(cc, keys[:8], size).success == 8  # slice 1: EXISTS only
+    vals = [Value(size, pattern(k, size)) for k in keys]
+    req = Request("save", v0_storage_keys(keys), [size] * 16,
+                  V0Mover([[(w.data_ptr, w.length) for w in v.wrappers()] for v in vals]),
+                  CcKvOption(timeout=0))
+    task = Task(0, "save", 16)
+    assert task.deadline is None
+    before = time.monotonic()
+    assert all(cc._transport.save(req, task))
+    ttl = session.welcome.reservation_ttl_s
+    assert task.deadline is not None and before < task.deadline <= before + ttl

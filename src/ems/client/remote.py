@@ -421,15 +421,15 @@ class RemoteTransport(Transport):
                 assert flight is not None
                 reply, flight = self._reply(flight, task, spin), None
                 slots += self._granted(session, reply, sizes[lo:hi])
-                if k == 0 and any(slot.segment is not None for slot in slots):
-                    # The daemon frees a reservation after its TTL and may give the
-                    # space to another key: the copy must stop (at its next checkpoint,
-                    # EMS_IO_TIMEOUT) well before that, also without a deadline.
-                    task.tighten(sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE)
                 if k + 1 < len(chunks):
                     flight = reserve(*chunks[k + 1])
                 new = [i for i in range(lo, hi) if slots[i].status is _NEW]
                 if new:
+                    # The daemon frees a reservation after its TTL and may give the
+                    # space to another key: the copy must stop (at its next checkpoint,
+                    # EMS_IO_TIMEOUT) well before that, also without a deadline (from
+                    # the first Reserve's sending: the earliest TTL of every slice).
+                    task.tighten(sent_at + session.welcome.reservation_ttl_s * _TTL_SHARE)
                     req.mover.to_pool(new, [(slots[i].segment, slots[i].offset)
                                             for i in new], task)
             if not task.decide():  # the last checkpoint: publish, or give the space back
