@@ -63,8 +63,7 @@ class EmbeddedTransport(Transport):
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], task: Task
                  ) -> tuple[None, list[Slot]]:
         with self._lock:
-            if self._closed:
-                self._check()
+            self._check()
             ns = self._ns
             grants = self.pool.reserve([ns + k for k in keys], sizes)
         status, segment, new = _STATUS, self.segment, PoolGrant.NEW
@@ -73,8 +72,7 @@ class EmbeddedTransport(Transport):
 
     def _commit(self, _handle: None, tokens: list[int], task: Task) -> list[bool]:
         with self._lock:
-            if self._closed:
-                self._check()
+            self._check()
             return self.pool.commit(tokens)
 
     def _abort(self, _handle: None, tokens: list[int]) -> None:

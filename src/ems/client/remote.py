@@ -76,7 +76,7 @@ from ems.client.session import (
     bad_reply,
     io_error,
 )
-from ems.client.transport import GrantStatus, Slot, Transport
+from ems.client.transport import GrantStatus, Slot, Transport, stored
 from ems.config import CcKvOption
 from ems.errors import EmsErrorCode, EmsException
 from ems.futures import Cancelled, Task
@@ -94,7 +94,7 @@ HEALTH_TIMEOUT_S = 1.0
 CONTROL_TIMEOUT_S = 5.0
 #: Share of the daemon's reservation TTL a save may spend copying.
 _TTL_SHARE = 0.8
-_NEW, _EXISTS, _BUSY = GrantStatus.NEW, GrantStatus.EXISTS, GrantStatus.BUSY
+_NEW = GrantStatus.NEW
 _STATUSES = {int(g): g for g in GrantStatus}
 #: The hot requests go out in their wire form, built by name (``Cls.wire``): no object.
 _put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
@@ -442,10 +442,8 @@ class RemoteTransport(Transport):
                 self._abort(session, tokens)
             raise
         new = [i for i, slot in enumerate(slots) if slot.status is _NEW]
-        done = dict(zip(new, self._commit(session, [slots[i].token for i in new], task,
-                                          spin))) if new else {}
-        return [slot.status is _EXISTS or slot.status is _BUSY or done.get(i, False)
-                for i, slot in enumerate(slots)]
+        return stored(slots, new, self._commit(session, [slots[i].token for i in new], task,
+                                               spin) if new else [])
 
     def _granted(self, session: Session, reply: m.Message, sizes: list[int]) -> list[Slot]:
         """The slots of a Granted for keys of ``sizes`` (checked: every range in the
@@ -456,16 +454,13 @@ class RemoteTransport(Transport):
             raise bad_reply(f"{type(reply).__name__} for a Reserve of {len(sizes)} keys")
         slots = []
         segment = session.segment
-        end = 0 if segment is None else segment.size
         tokens, offsets, got = reply.tokens, reply.offsets, reply.sizes
         try:
             for i, status_value in enumerate(reply.statuses):
                 status = _STATUSES[status_value]  # (an enum call per key cost ~0.4 us)
                 if status is _NEW:
-                    offset, size = offsets[i], got[i]
-                    if size != sizes[i] or offset + size > end:
-                        self._check_range(session, offset, size, sizes[i])  # (raises)
-                    slots.append(Slot(status, tokens[i], segment, offset, size))
+                    self._check_range(session, offsets[i], got[i], sizes[i])
+                    slots.append(Slot(status, tokens[i], segment, offsets[i], got[i]))
                 else:
                     slots.append(Slot(status))
         except (KeyError, EmsException) as exc:

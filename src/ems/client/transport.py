@@ -34,7 +34,7 @@ from ems.futures import Cancelled, Task
 from ems.keys import Request
 from ems.protocol.messages import GrantStatus
 
-__all__ = ["GrantStatus", "Slot", "Transport", "two_phase_save"]
+__all__ = ["GrantStatus", "Slot", "Transport", "stored", "two_phase_save"]
 
 _NEW, _EXISTS, _BUSY = GrantStatus.NEW, GrantStatus.EXISTS, GrantStatus.BUSY
 
@@ -73,8 +73,15 @@ def two_phase_save(req: Request, task: Task,
         if tokens:
             abort(handle, tokens)
         raise
-    committed = dict(zip(new, commit(handle, tokens, task))) if tokens else {}
-    return [s.status is _EXISTS or s.status is _BUSY or committed.get(i, False)
+    return stored(slots, new, commit(handle, tokens, task) if tokens else [])
+
+
+def stored(slots: Sequence[Slot], new: Sequence[int], committed: Sequence[bool]
+           ) -> list[bool]:
+    """Per key of a reserve-copy-commit save whether it is stored: EXISTS and BUSY
+    count; a NEW key (``slots[new[j]]``) if its commit did (``committed[j]``)."""
+    done = dict(zip(new, committed))
+    return [s.status is _EXISTS or s.status is _BUSY or done.get(i, False)
             for i, s in enumerate(slots)]
 
 

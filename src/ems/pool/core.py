@@ -524,8 +524,8 @@ class Pool:
             victim = pop_victim()
             if victim is None:
                 return None
-            obj = objects.pop(victim)  # (the policy holds committed objects only)
-            self._committed -= 1
+            obj = objects[victim]
+            self._forget(obj)
             self._evictions += 1
             if allocator.size_of(obj.offset) == need and allocator.used_bytes <= limit:
                 return obj.offset
