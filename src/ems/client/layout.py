@@ -186,6 +186,8 @@ class RegisteredLayout:
                                        for t in self.tensors], dtype=torch.int64)
         self.page_bytes = torch.tensor([t.page_bytes for t in self.tensors],
                                        dtype=torch.int64)
+        #: per tensor, its layer group
+        self.tensor_group = torch.tensor([t.group for t in self.tensors], dtype=torch.int64)
         desc: list[Any] = []
         for g in self.groups:
             if g.opaque:  # the whole page's shape: its inner order is the layout's own
@@ -451,13 +453,11 @@ class V1Mover:
                     f"{group.block_size - 1}, in order); this call names tokens inside "
                     f"a block")
         # Byte offset of tensor t's rows inside object i: exclusive cumsum over tensors.
-        if len({id(t) for t in self.tokens}) == 1:  # one token list: one broadcast op
-            sizes = self.tokens[0].counts[:, None] * layout.row_bytes + layout.page_bytes
-        else:
-            sizes = torch.stack([torch.full_like(self.tokens[t.group].counts, t.page_bytes)
-                                 if t.page_bytes else
-                                 self.tokens[t.group].counts * t.token_bytes
-                                 for t in layout.tensors], dim=1)
+        # Each tensor's bytes in each object, in one broadcast op (tokens x its row, or
+        # its page): [objects, tensors].
+        counts = torch.stack([tok.counts for tok in self.tokens], dim=1)  # [objects, groups]
+        sizes = (counts.index_select(1, layout.tensor_group) * layout.row_bytes
+                 + layout.page_bytes)
         self.base = torch.cumsum(sizes, dim=1) - sizes
         self.sizes = [int(s) for s in sizes.sum(dim=1).tolist()]
 

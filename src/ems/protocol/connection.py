@@ -162,7 +162,7 @@ class ServerConnection:
             raise _bad(f"Welcome during {self.phase.value}")
         self.phase, self.nonce = Phase.READY, b""
         self._decoder.max_frame_bytes = min(MAX_FRAME_BYTES, max_frame_bytes)
-        self._decoder.unpack_limits = dict(unpack_limits or {})
+        self._decoder.unpack_limits = unpack_limits or {}  # (the decoder keeps a copy)
         return encode(welcome)
 
     def reply(self, wire: list[Any]) -> bytes:
