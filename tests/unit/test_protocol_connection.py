@@ -25,7 +25,7 @@ from ems.protocol.connection import (
     ServerConnection,
     undo_late,
 )
-from ems.server import daemon
+from ems.server import handlers
 
 #: Every message's wire code and field order. Changing a row changes the protocol:
 #: bump PROTOCOL_VERSION with it (this table says which version it describes).
@@ -84,10 +84,10 @@ def test_the_daemons_handlers_take_each_message_by_its_field_names():
     """The daemon's request handlers name their parameters after the fields of their
     message, in its order: a field added or moved in ``messages`` without the handler
     following fails here, not on the wire."""
-    assert set(daemon._HANDLERS) <= REQUESTS
-    for cls, handler in daemon._HANDLERS.items():
+    assert set(handlers._HANDLERS) <= REQUESTS
+    for cls, handler in handlers._HANDLERS.items():
         params = list(inspect.signature(handler).parameters)
-        assert params[:3] == ["self", "conn", "pool"], handler.__name__
+        assert params[:3] == ["self", "session", "pool"], handler.__name__
         assert tuple(params[3:]) == cls._NAMES, (cls.__name__, params)
 
 

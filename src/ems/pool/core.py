@@ -180,6 +180,8 @@ class Pool:
         self._hit_bytes = self._stored_bytes = 0
         self._miss_absent = self._miss_size = self._miss_pending = 0
         self._refused_full = self._refused_too_large = 0
+        #: told of each LRU eviction (key, size): the daemon's tiers listen here
+        self.on_evict: Optional[Callable[[Hashable, int], None]] = None
 
     # ------------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
@@ -494,8 +496,11 @@ class Pool:
             victim = self._policy.pop_victim()
             if victim is None:
                 break
-            self._drop(self._objects[victim])
+            obj = self._objects[victim]
+            self._drop(obj)
             self._evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, obj.size)
         return limit
 
     def keys(self) -> list[Hashable]:
@@ -527,6 +532,8 @@ class Pool:
             obj = objects[victim]
             self._forget(obj)
             self._evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, obj.size)
             if allocator.size_of(obj.offset) == need and allocator.used_bytes <= limit:
                 return obj.offset
             allocator.free(obj.offset)

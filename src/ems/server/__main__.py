@@ -76,6 +76,18 @@ def _parser() -> argparse.ArgumentParser:
                         "(env EMS_CLUSTER_KEY_FILE)")
     p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
                    help="bytes of write-behind in flight at most, e.g. 256M (default)")
+    p.add_argument("--disk", dest="disk", metavar="DIR",
+                   help="keep objects also on disk under DIR (the disk tier: the pool "
+                        "outgrows memory and survives restarts; env EMS_DISK)")
+    p.add_argument("--disk-capacity", dest="disk_capacity", metavar="SIZE",
+                   help="bytes the disk tier may use, e.g. 500G (default 64G; env "
+                        "EMS_DISK_CAPACITY)")
+    p.add_argument("--disk-checkpoint-s", dest="disk_checkpoint_s", metavar="S",
+                   help="checkpoint the disk index this often (default 10; env "
+                        "EMS_DISK_CHECKPOINT_S)")
+    p.add_argument("--disk-admission", dest="disk_admission", choices=("all", "second-hit"),
+                   help="which objects go to disk: every one saved (all, default) or "
+                        "those saved again or loaded (second-hit)")
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",
                    help="a bound on what one client may hold or send (repeatable), e.g. "
                         "max_keys_per_request=4096; see ems.server.config.Limits")

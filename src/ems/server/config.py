@@ -22,6 +22,12 @@ certificate and key    ``--cluster-key-file``  ``cluster_key_file``    ``EMS_CLU
 cluster password       -                       -                       ``EMS_CLUSTER_PASSWORD``
 write-behind bound     ``--cluster-write-      ``cluster_write_        -
                        behind``                behind``
+disk tier directory    ``--disk``              ``[disk]`` ``path``     ``EMS_DISK``
+disk tier capacity     ``--disk-capacity``     ``[disk]`` ``capacity`` ``EMS_DISK_CAPACITY``
+index checkpoint every ``--disk-checkpoint-s`` ``[disk]``              ``EMS_DISK_CHECKPOINT_S``
+                                               ``checkpoint_s``
+disk admission         ``--disk-admission``    ``[disk]`` ``admission`` -
+other disk settings    -                       ``[disk]`` (:class:`DiskConfig`) -
 control plane URL      ``--control``           ``control``             ``EMS_CONTROL``
 its daemon token file  ``--control-token-file`` ``control_token_file`` ``EMS_CONTROL_TOKEN_FILE``
 registry poll period   ``--control-poll-s``    ``control_poll_s``      -
@@ -46,6 +52,11 @@ other runnable thread between polls. A request that arrives in the window is ser
 without a wake-up of a sleeping process (on a VM, ~10-20 us of a ~100 us 1-key round
 trip: the sleeping vCPU halts, and its caches are cold after the wake-up). An idle
 daemon sleeps; a busy one uses up to one CPU while it spins.
+
+The disk tier (``--disk DIR``, ``ems.server.disk_tier``): objects of shared memory are
+also kept in region files under ``DIR``, up to ``capacity``, and loaded back from there
+when shared memory misses them, also after a restart or a crash (the docs' tiers page
+says what survives what). Off by default.
 
 The config file is ``--config FILE`` or ``EMS_SERVER_CONFIG``. Sizes are bytes or
 ``512M``/``4G`` (binary units). Unknown keys and bad values stop the daemon with a
@@ -75,7 +86,8 @@ from typing import Any, Mapping, Optional
 from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
 from ems.errors import EmsException, invalid
 
-__all__ = ["ANONYMOUS", "SDK_MAX_KEY_BYTES", "Limits", "ServerConfig", "TenantSpec",
+__all__ = ["ANONYMOUS", "SDK_MAX_KEY_BYTES", "DiskConfig", "Limits", "ServerConfig",
+           "TenantSpec",
            "configure_logging", "load_tenants", "read_toml", "resolve_quotas"]
 
 ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (_check_id)
@@ -84,7 +96,7 @@ _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
               "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
               "metrics_addr", "limits", "cluster", "cluster_ca_file",
-              "cluster_cert_file", "cluster_key_file", "cluster_write_behind"}
+              "cluster_cert_file", "cluster_key_file", "cluster_write_behind", "disk"}
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -185,6 +197,126 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiskConfig:
+    """The disk tier (``[disk]`` in the config file; ``--disk DIR`` turns it on).
+
+    =====================  ==========  ==============================================
+    key                    default     what
+    =====================  ==========  ==============================================
+    path                   -           directory of the region files (0700, made)
+    capacity               64G         bytes of records at most (all tenants); more
+                                       than the filesystem is allowed (warned)
+    checkpoint_s           10          the index is checkpointed this often, seconds
+    admission              all         ``all``: every object saved goes to disk;
+                                       ``second-hit``: only objects saved again or
+                                       loaded from shared memory (hot ones)
+    write_budget           none        bytes written per day at most (SSD wear);
+                                       past it, nothing is admitted until the next
+                                       day's budget (counted)
+    flush_on_stop_s        30          on SIGTERM, write what shared memory holds and
+                                       the disk does not, for at most this long
+    io_threads             4           worker threads (the disk's queue depth)
+    inflight               64M         bytes of writes in flight at most
+    queue                  1G          bytes of writes waiting at most (past it a
+                                       save is not written to disk: counted)
+    [disk.quotas] ID=SIZE  a share     a tenant's disk bytes (default: its share of
+                                       the pool's capacity, of the disk's)
+    io_delay_ms            0           fault testing only: every read and write of
+                                       the disk waits this long first
+    =====================  ==========  ==============================================
+    """
+
+    path: str
+    capacity_bytes: int = 64 << 30
+    checkpoint_s: float = 10.0
+    admission: str = "all"
+    write_budget_bytes_per_day: Optional[int] = None
+    flush_on_stop_s: float = 30.0
+    io_threads: int = 4
+    inflight_bytes: int = 64 << 20
+    queue_bytes: int = 1 << 30
+    quotas_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    io_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise invalid("disk.path must not be empty")
+        if self.capacity_bytes <= 0:
+            raise invalid(f"disk.capacity must be > 0, got {self.capacity_bytes}")
+        for name in ("checkpoint_s", "flush_on_stop_s", "io_delay_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+                    or value > 86400:
+                raise invalid(f"disk.{name} must be a number in 0..86400, got {value!r}")
+        if self.checkpoint_s < 0.05:
+            raise invalid(f"disk.checkpoint_s must be >= 0.05, got {self.checkpoint_s}")
+        if self.admission not in _ADMISSIONS:
+            raise invalid(f"disk.admission must be one of {', '.join(_ADMISSIONS)}, got "
+                          f"{self.admission!r}")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or \
+                not 1 <= self.io_threads <= 64:
+            raise invalid(f"disk.io_threads must be an int in 1..64, got {self.io_threads!r}")
+        for name in ("inflight_bytes", "queue_bytes"):
+            if getattr(self, name) <= 0:
+                raise invalid(f"disk.{name.replace('_bytes', '')} must be > 0, got "
+                              f"{getattr(self, name)}")
+        if self.write_budget_bytes_per_day is not None and self.write_budget_bytes_per_day <= 0:
+            raise invalid(f"disk.write_budget must be > 0, got "
+                          f"{self.write_budget_bytes_per_day}")
+        for ident in self.quotas_bytes:
+            if ident != ANONYMOUS:
+                _check_id(ident, "disk.quotas")
+
+    @classmethod
+    def parse(cls, items: Mapping[str, Any]) -> "DiskConfig":
+        """From a ``[disk]`` table (and the flags/environment merged into it)."""
+        unknown = sorted(set(items) - _DISK_KEYS)
+        if unknown:
+            raise invalid(f"disk: unknown key(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(_DISK_KEYS))}")
+        if "path" not in items:
+            raise invalid("disk needs path (the directory of the disk tier: --disk DIR)")
+        kw: dict[str, Any] = {"path": _str(items["path"], "disk.path")}
+        if "capacity" in items:
+            kw["capacity_bytes"] = parse_bytes(items["capacity"], "disk.capacity")
+        for key in ("checkpoint_s", "flush_on_stop_s", "io_delay_ms"):
+            if key in items:
+                kw[key] = _number(items[key], f"disk.{key}")
+        if "admission" in items:
+            kw["admission"] = _str(items["admission"], "disk.admission")
+        if "write_budget" in items:
+            kw["write_budget_bytes_per_day"] = parse_bytes(items["write_budget"],
+                                                           "disk.write_budget")
+        if "io_threads" in items:
+            kw["io_threads"] = items["io_threads"]
+        if "inflight" in items:
+            kw["inflight_bytes"] = parse_bytes(items["inflight"], "disk.inflight")
+        if "queue" in items:
+            kw["queue_bytes"] = parse_bytes(items["queue"], "disk.queue")
+        quotas = items.get("quotas", {})
+        if not isinstance(quotas, dict):
+            raise invalid("disk.quotas must be a table of access_id = size")
+        kw["quotas_bytes"] = {k: parse_bytes(v, f"disk.quotas.{k}") for k, v in quotas.items()}
+        return cls(**kw)
+
+
+_ADMISSIONS = ("all", "second-hit")
+_DISK_KEYS = {"path", "capacity", "checkpoint_s", "admission", "write_budget",
+              "flush_on_stop_s", "io_threads", "inflight", "queue", "quotas", "io_delay_ms"}
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise invalid(f"{field} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"{field} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """The daemon's settings (see the module docstring for where each comes from)."""
 
@@ -232,6 +364,8 @@ class ServerConfig:
     cluster_write_behind_bytes: int = 256 << 20
     #: bounds on what one client may hold or send (see :class:`Limits`)
     limits: Limits = dataclasses.field(default_factory=Limits)
+    #: the disk tier (None: off)
+    disk: Optional[DiskConfig] = None
 
     def __post_init__(self) -> None:
         if not self.socket_dir:
@@ -306,9 +440,22 @@ class ServerConfig:
                 values[key] = _from_env(var, key, env[var])
         if env.get("EMS_CLUSTER_PASSWORD"):  # never a flag: ps would show it
             values["cluster_password"] = env["EMS_CLUSTER_PASSWORD"]
+        disk = dict(values.pop("disk", {}))
+        disk_sources: tuple[tuple[Optional[str], str, str], ...] = (
+            ("EMS_DISK", "path", "disk"),
+            ("EMS_DISK_CAPACITY", "capacity", "disk_capacity"),
+            ("EMS_DISK_CHECKPOINT_S", "checkpoint_s", "disk_checkpoint_s"),
+            (None, "admission", "disk_admission"))
+        for env_var, key, flag in disk_sources:
+            if env_var is not None and env.get(env_var):
+                disk[key] = env[env_var]
+            if flags.get(flag) is not None:
+                disk[key] = flags[flag]
+        if disk:
+            values["disk"] = DiskConfig.parse(disk)
         quotas = dict(values.pop("quotas", {}))
         limits = dict(values.pop("limits", {}))
-        for key in _FILE_KEYS - {"quotas", "limits"}:
+        for key in _FILE_KEYS - {"quotas", "limits", "disk"}:
             if flags.get(key) is not None:
                 values[key] = flags[key]
         for item in flags.get("limit") or ():
@@ -368,6 +515,8 @@ class ServerConfig:
             kw["cluster_password"] = v["cluster_password"]
         if "limits" in v:
             kw["limits"] = v["limits"]
+        if "disk" in v:
+            kw["disk"] = v["disk"]
         kw["quotas_bytes"] = {k: parse_bytes(s, f"quotas.{k}") for k, s in quotas.items()}
         return cls(**kw)
 
@@ -435,6 +584,8 @@ def _from_file(path: str) -> dict[str, Any]:
         raise invalid(f"{path}: quotas must be a table of access_id = size")
     if "limits" in data and not isinstance(data["limits"], dict):
         raise invalid(f"{path}: limits must be a table of name = value")
+    if "disk" in data and not isinstance(data["disk"], dict):
+        raise invalid(f"{path}: disk must be a table ([disk] with path = ...)")
     return data
 
 

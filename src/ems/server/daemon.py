@@ -8,11 +8,13 @@ of handlers, and answered with wire lists: no message object per request. After 
 request the loop polls without sleeping for ``spin_us`` (yielding the CPU between
 polls), so a client that sends its next request soon does not wait for a wake-up.
 
-With ``--cluster`` (``ems.server.cluster_tier``) the pools are also the read cache of
-a Valkey Cluster shared by every host: the handlers of Acquire, Exists, Put, Reserve
-and Commit hand the cluster's part to the tier, whose worker threads do the network
-I/O and queue their completions, which the loop runs when the wake socketpair fires;
-those requests are then answered after their cluster round trip (by rid).
+This module is the I/O: the loop, accepting, reading, writing, driving the handshake.
+What a tenant's request does is ``ems.server.handlers``; a connection's state is a
+:class:`~ems.server.session.Session`. Tiers beyond shared memory (the local disk with
+``--disk``, a Valkey Cluster shared by every host with ``--cluster``) implement
+``ems.server.tiers.Tier``; their worker threads hand completions back to the loop
+(:meth:`Daemon.call_soon`, run when the wake socketpair fires), and the requests that
+waited for them are answered then (by rid).
 
 A connection's phases (HELLO -> [AUTH] -> READY -> CLOSED), which message each phase
 accepts and what each reply moves, are ``ems.protocol.connection.ServerConnection``;
@@ -27,12 +29,10 @@ connections are not affected. A timer calls ``Pool.expire`` so a reservation who
 writer hangs is freed after the reservation TTL.
 
 Every resource a client can make the daemon hold is bounded (``ServerConfig.limits``,
-:class:`~ems.server.config.Limits`): keys per request and key length (refused), pins
-per connection (an Acquire pins what fits), bytes buffered in partial frames across
-all connections (the connection that goes over is closed), connections per uid (at
-accept) and per tenant (at hello), lease space per connection and per tenant (no
-lease: small saves then take reserve/commit). Each refusal is counted
-(``report()["server"]["refused"]``).
+:class:`~ems.server.config.Limits`): here, bytes buffered in partial frames across all
+connections (the connection that goes over is closed), connections per uid (at accept)
+and per tenant (at hello); the per-request bounds (keys, pins, leases) are the
+handlers'. Each refusal is counted (``report()["server"]["refused"]``).
 
 The listening socket (taking the path, accept under fd pressure with a backoff) is
 ``ems.server.listener``.
@@ -53,14 +53,15 @@ import time
 from typing import Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import GrantStatus, Pool
 from ems.protocol import PROTOCOL_VERSION
 from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
-from ems.server import cluster_tier as _cluster_tier
 from ems.server.config import Limits, ServerConfig
+from ems.server.handlers import Handlers
 from ems.server.listener import Listener, ListenError, RateLimitedLog
+from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantRegistry
+from ems.server.tiers import Tier
 
 __all__ = ["Daemon", "DaemonError"]
 
@@ -72,44 +73,10 @@ MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is d
 _RECV_BYTES = 64 << 10
 #: A readable connection: data, EOF or an error (recv tells which).
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-#: requests whose field of this name is a list of keys (or of tokens / ranges) to
-#: bound, as its position (from the message's one definition)
-_KEYS_AT: dict[type[m.Message], int] = {
-    cls: cls._NAMES.index("keys") for cls in (m.Reserve, m.Acquire, m.Exists, m.Put)}
-_LISTS_AT: dict[type[m.Message], int] = {
-    cls: cls._NAMES.index(name) for cls, name in (
-        (m.Commit, "tokens"), (m.Abort, "tokens"), (m.Release, "tokens"),
-        (m.Return, "offsets"))}
 
 
 class DaemonError(Exception):
     """The daemon cannot start (message says why and what to do)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Conn:
-    id: int
-    sock: socket.socket
-    pid: int
-    uid: int
-    opened_at: float
-    proto: ServerConnection = dataclasses.field(default_factory=ServerConnection)
-    tenant: Optional[Tenant] = None
-    admin: bool = False
-    key_id: Optional[str] = None  # which of the tenant's keys opened this session
-    out: collections.deque = dataclasses.field(default_factory=collections.deque)
-    out_bytes: int = 0
-    writing: bool = False
-    pins: int = 0  # pins this connection holds (bounded by max_pins_per_connection)
-    buffered: int = 0  # bytes of its partial frames counted in Daemon._buffered
-
-    @property
-    def phase(self) -> Phase:
-        return self.proto.phase
-
-    def __str__(self) -> str:
-        who = self.tenant.name if self.tenant else ("admin" if self.admin else "-")
-        return f"connection {self.id} (pid {self.pid}, uid {self.uid}, tenant {who})"
 
 
 class Daemon:
@@ -120,8 +87,8 @@ class Daemon:
         self.registry = registry
         self.path = config.socket_path
         self._epoll = select.epoll()
-        self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its _Conn
-        self._conns: dict[int, _Conn] = {}
+        self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its Session
+        self._conns: dict[int, Session] = {}
         self._ids = 0
         self._warnings = RateLimitedLog()
         self._listener = Listener(self.path, config.socket_mode,
@@ -149,20 +116,18 @@ class Daemon:
                                "max_str_len": 4 * limits.max_key_bytes,
                                "max_bin_len": 4096, "max_map_len": 64, "max_ext_len": 0}
         self._per_uid: collections.Counter = collections.Counter()
-        #: the shared tier (``--cluster``), started with the daemon; None: this host only
-        self.cluster: Optional[_cluster_tier.ClusterTier] = None
+        #: the tiers beyond shared memory, in lookup order (started with the daemon)
+        self.tiers: list[Tier] = []
+        self._soon: collections.deque[Callable[[], None]] = collections.deque()
+        self.handlers = Handlers(self.limits, (), self, self.refused)
 
     # ------------------------------------------------------------ start / stop
     def start(self) -> None:
         """Take the socket (refusing a live daemon, replacing a stale socket file)."""
         path = self.path
-        if self.config.cluster and self.cluster is None:  # starts no thread yet
-            try:
-                self.cluster = _cluster_tier.start(self.config, self.wake, self._reply_late,
-                                                   self._lease)
-            except RuntimeError as exc:
-                raise DaemonError(str(exc)) from exc
-            self.wake_hooks.append(self.cluster.drain)  # its workers' completions
+        if not self.tiers:
+            self.tiers = self._start_tiers()
+            self.handlers = Handlers(self.limits, self.tiers, self, self.refused)
         if len(os.fsencode(path)) > 107:
             raise DaemonError(f"socket path {path} is longer than the 107 bytes a unix "
                               f"socket allows; use a shorter socket_dir")
@@ -194,6 +159,29 @@ class Daemon:
             s.setblocking(False)
         self._watch(self._wake_r, "wake")
         self._started = time.monotonic()
+
+    def _start_tiers(self) -> list[Tier]:
+        """The tiers of ``config``, in lookup order: disk, then cluster."""
+        tiers: list[Tier] = []
+        try:
+            if self.config.cluster:
+                from ems.server import cluster_tier
+                tiers.append(cluster_tier.start(self.config, self))
+        except RuntimeError as exc:
+            for tier in tiers:
+                tier.close()
+            raise DaemonError(str(exc)) from exc
+        return tiers
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop soon (any thread: the tiers' completions)."""
+        self._soon.append(fn)
+        self.wake()
+
+    def _run_soon(self) -> None:
+        soon = self._soon
+        while soon:
+            self._run_hook(soon.popleft())
 
     def request_stop(self) -> None:
         """Ask the loop to stop (signal-safe)."""
@@ -227,7 +215,7 @@ class Daemon:
         off unless called, so the loop pays nothing for it by default."""
         serve = Daemon._request
 
-        def timed(conn: _Conn, cls: type, v: list[Any]) -> None:
+        def timed(conn: Session, cls: type, v: list[Any]) -> None:
             t0 = time.perf_counter()
             try:
                 serve(self, conn, cls, v)
@@ -273,9 +261,13 @@ class Daemon:
 
     def close(self) -> None:
         """Close every connection, remove the socket, free the pools' memory."""
-        if self.cluster is not None:  # first: its workers end by their deadlines
-            self.cluster.close()
-            self.cluster = None
+        for tier in self.tiers:  # first: their workers end by their deadlines
+            try:
+                tier.close()
+            except Exception:  # noqa: BLE001 - the others still close
+                logger.exception("ems-server: closing the %s tier failed", tier.name)
+            self._run_soon()  # the completions they handed back
+        self.tiers = []
         for conn in list(self._conns.values()):
             self._close(conn, "ems-server is stopping")
         self._listener.close()
@@ -307,7 +299,7 @@ class Daemon:
 
     # ------------------------------------------------------------ loop
     def _dispatch(self, data: Any, mask: int) -> None:
-        if type(data) is _Conn:
+        if type(data) is Session:
             if mask & select.EPOLLOUT:
                 self._flush(data)
             if mask & _READABLE and data.phase is not Phase.CLOSED:
@@ -319,6 +311,8 @@ class Daemon:
                 self._wake_r.recv(4096)  # type: ignore[union-attr]
             except OSError:
                 pass
+            if self._soon:
+                self._run_soon()
             for hook in self.wake_hooks:
                 self._run_hook(hook)
 
@@ -348,7 +342,7 @@ class Daemon:
                 continue
             self._per_uid[uid] += 1
             self._ids += 1
-            conn = _Conn(self._ids, sock, pid, uid, time.monotonic())
+            conn = Session(self._ids, sock, pid, uid, time.monotonic())
             self._conns[conn.id] = conn
             self._watch(sock, conn)
             logger.debug("ems-server: %s opened", conn)
@@ -376,7 +370,7 @@ class Daemon:
                                             "connections that never finished their "
                                             "handshake go first"))
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Session) -> None:
         try:
             data = conn.sock.recv(_RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -416,21 +410,22 @@ class Daemon:
                                           f"internal error: {type(exc).__name__}"))
 
     # ------------------------------------------------------------ output
-    def _reply(self, conn: _Conn, wire: list[Any]) -> None:
+    def _reply(self, conn: Session, wire: list[Any]) -> None:
         """Answer with a reply in its wire form (``Cls.wire(...)``: no object built);
         the connection says whether one may be sent now."""
         self._send_frame(conn, conn.proto.reply(wire))
 
-    def _error(self, conn: _Conn, rid: int, code: EmsErrorCode, message: str) -> None:
+    def reply(self, session: Session, wire: list[object]) -> None:
+        """A handler's reply (``ems.server.handlers.Output``): only to a session still
+        ready (a reply after a tier's round trip may find it closed)."""
+        if session.proto.phase is Phase.READY:
+            self._send_frame(session, session.proto.reply(wire))
+
+    def _error(self, conn: Session, rid: int, code: EmsErrorCode, message: str) -> None:
         """Refuse one request (the connection stays)."""
         self._reply(conn, m.Error.wire(rid=rid, code=code.value, message=message))
 
-    def _reply_late(self, conn: _Conn, wire: list[Any]) -> None:
-        """A reply after the cluster tier's round trip: only to a connection still open."""
-        if conn.proto.phase is Phase.READY:
-            self._reply(conn, wire)
-
-    def _send_frame(self, conn: _Conn, data: bytes, fds: tuple[int, ...] = ()) -> None:
+    def _send_frame(self, conn: Session, data: bytes, fds: tuple[int, ...] = ()) -> None:
         if not conn.out and not fds:  # the usual case: straight out, nothing queued
             try:
                 n = conn.sock.send(data)
@@ -449,7 +444,7 @@ class Daemon:
             return
         self._flush(conn)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Session) -> None:
         while conn.out:
             item = conn.out[0]
             data, fds = item
@@ -474,7 +469,7 @@ class Daemon:
                                select.EPOLLIN | (select.EPOLLOUT if want else 0))
             conn.writing = want
 
-    def _fail(self, conn: _Conn, exc: EmsException) -> None:
+    def _fail(self, conn: Session, exc: EmsException) -> None:
         """Tell the client why (best effort), then close its connection."""
         if conn.phase is Phase.CLOSED:
             return
@@ -485,7 +480,7 @@ class Daemon:
             pass
         self._close(conn, exc.message())
 
-    def _close(self, conn: _Conn, why: str) -> None:
+    def _close(self, conn: Session, why: str) -> None:
         if conn.phase is Phase.CLOSED and conn.id not in self._conns:
             return
         conn.proto.closed()
@@ -501,12 +496,11 @@ class Daemon:
         if conn.tenant is not None:
             conn.tenant.pool.drop_owner(conn.id)
             conn.tenant.connections -= 1
-            if self.cluster is not None:
-                self.cluster.forget(conn)
+            self.handlers.closed(conn)
         logger.debug("ems-server: %s closed: %s", conn, why)
 
     # ------------------------------------------------------------ messages
-    def _handshake(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
+    def _handshake(self, conn: Session, cls: type[m.Message], v: list[Any]) -> None:
         """A message of the HELLO or AUTH phase (the connection let only those in)."""
         proto = conn.proto
         if cls is m.Ping:
@@ -539,13 +533,13 @@ class Daemon:
             conn.key_id = found[1]
             self._welcome(conn, found[0])
 
-    def _refuse(self, conn: _Conn, message: str,
+    def _refuse(self, conn: Session, message: str,
                 code: EmsErrorCode = EmsErrorCode.EMS_AUTH_FAILED) -> None:
         logger.warning("ems-server: refused %s: %s", conn, message)
         self._send_frame(conn, conn.proto.refuse(code, message))
         self._close(conn, message)
 
-    def _welcome(self, conn: _Conn, tenant: Optional[Tenant]) -> None:
+    def _welcome(self, conn: Session, tenant: Optional[Tenant]) -> None:
         if tenant is not None and tenant.connections >= self.limits.max_connections_per_tenant:
             self.refused["max_connections_per_tenant"] += 1
             message = (f"tenant {tenant.name} holds {tenant.connections} connections, its "
@@ -564,6 +558,7 @@ class Daemon:
         else:
             conn.tenant = tenant
             tenant.connections += 1
+            self.handlers.opened(tenant)
             pool = tenant.pool
             welcome = m.Welcome(tenant=tenant.name, segment_id=tenant.segment_id,
                                 segment_size=tenant.segment_size, reservation_ttl_s=ttl,
@@ -575,25 +570,13 @@ class Daemon:
                                                   self._unpack_limits), fds)
         logger.debug("ems-server: %s ready", conn)
 
-    def _request(self, conn: _Conn, cls: type[m.Message], v: list[Any]) -> None:
+    def _request(self, conn: Session, cls: type[m.Message], v: list[Any]) -> None:
         """A checked request of a ready connection, its fields positional in ``v``
-        (the order of the message's one definition); one handler per message type,
-        whose parameters are the message's fields by name (a unit test pins them)."""
-        handler = _HANDLERS.get(cls)
-        tenant = conn.tenant
-        if handler is not None and tenant is not None:
-            at = _KEYS_AT.get(cls)
-            if at is not None and not self._keys_within_limits(conn, cls, v, at):
-                return
-            at = _LISTS_AT.get(cls)
-            if at is not None and len(v[at]) > self.limits.max_keys_per_request:
-                self.refused["max_keys_per_request"] += 1
-                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT,
-                                   f"{cls.__name__} of {len(v[at])} entries exceeds "
-                                   f"max_keys_per_request "
-                                   f"({self.limits.max_keys_per_request})")
-            handler(self, conn, tenant.pool, *v)
-        elif cls is m.Ping:
+        (the order of the message's one definition): a tenant's request goes to
+        ``ems.server.handlers``; Ping and Stats are answered here."""
+        if self.handlers.serve(conn, cls, v):
+            return
+        if cls is m.Ping:
             self._reply(conn, m.Pong.wire(rid=v[0]))
         elif cls is m.Stats:
             rid, all_tenants = v
@@ -602,136 +585,8 @@ class Daemon:
             self._error(conn, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT,
                         "an admin session has no pool")
 
-    def _keys_within_limits(self, conn: _Conn, cls: type[m.Message], v: list[Any],
-                            at: int) -> bool:
-        """Refuse (an error reply, False) a request over the key limits."""
-        keys, limits = v[at], self.limits
-        problem = None
-        if len(keys) > limits.max_keys_per_request:
-            problem = ("max_keys_per_request",
-                       f"{cls.__name__} of {len(keys)} keys exceeds max_keys_per_request "
-                       f"({limits.max_keys_per_request}); split the batch")
-        elif keys and max(map(len, keys)) * 4 > limits.max_key_bytes:  # (chars * 4 >= bytes)
-            for i, key in enumerate(keys):
-                n = len(key.encode())
-                if n > limits.max_key_bytes:
-                    problem = ("max_key_bytes",
-                               f"{cls.__name__}: key {i} is {n} bytes, more than "
-                               f"max_key_bytes ({limits.max_key_bytes})")
-                    break
-        if problem is None:
-            return True
-        self.refused[problem[0]] += 1
-        self._error(conn, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT, problem[1])
-        return False
-
-    # The handlers: one per request type; after (conn, pool), the message's fields by
-    # name, in the order of their one definition in ``ems.protocol.messages``.
-    def _on_reserve(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
-                    sizes: list[int], write_rcache: bool) -> None:
-        if any(size <= 0 for size in sizes):
-            self._error(conn, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
-            return
-        grants = pool.reserve(keys, sizes, conn.id)
-        if self.cluster is not None:
-            self.cluster.reserved(conn, keys, grants, write_rcache)
-        self._reply(conn, m.Granted.wire(rid=rid, statuses=[int(g.status) for g in grants],
-                                         tokens=[g.token for g in grants],
-                                         offsets=[g.offset for g in grants],
-                                         sizes=[g.size for g in grants]))
-
-    def _on_commit(self, conn: _Conn, pool: Pool, rid: int, tokens: list[int],
-                   budget_ms: int) -> None:
-        if self.cluster is not None and self.cluster.commit(conn, conn.tenant, rid, tokens,
-                                                            budget_ms):
-            return  # answered by the cluster tier (now, or after the home node has it)
-        self._reply(conn, m.Committed.wire(rid=rid, ok=pool.commit(tokens, conn.id)))
-
-    def _on_abort(self, conn: _Conn, pool: Pool, tokens: list[int]) -> None:
-        pool.abort(tokens, conn.id)
-        if self.cluster is not None:
-            self.cluster.forget(conn, tokens)
-
-    def _on_put(self, conn: _Conn, pool: Pool, rid: int, keys: list[str], offsets: list[int],
-                sizes: list[int], want_lease: bool, write_rcache: bool, budget_ms: int
-                ) -> None:
-        cluster = self.cluster
-        if cluster is not None and not write_rcache:  # the home node only
-            if not pool.owns(offsets, sizes, conn.id):
-                raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
-                                   "Put: a range that is not a free range of this "
-                                   "connection's lease")
-            cluster.put_through(conn, conn.tenant, rid, keys, offsets, sizes, want_lease,
-                                budget_ms)
-            return
-        try:
-            statuses = pool.carve(keys, offsets, sizes, conn.id)
-        except ValueError as exc:  # only its own lease: anything else ends the connection
-            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"Put: {exc}") from None
-        offset, size = self._lease(pool, conn) if want_lease else (0, 0)
-        # NEW, EXISTS (write-once) and BUSY (another writer's) all count as stored.
-        self._reply(conn, m.Stored.wire(rid=rid, ok=[True] * len(keys), lease_offset=offset,
-                                        lease_size=size))
-        if cluster is not None:  # after the reply: the write-behind is not its business
-            new = [i for i, st in enumerate(statuses) if st is GrantStatus.NEW]
-            if new:
-                cluster.write_behind(conn.tenant, [keys[i] for i in new],
-                                     [sizes[i] for i in new])
-
-    def _on_return(self, conn: _Conn, pool: Pool, offsets: list[int], sizes: list[int]
-                   ) -> None:
-        pool.unlease(offsets, sizes, conn.id)
-
-    def _on_lease(self, conn: _Conn, pool: Pool, rid: int) -> None:
-        offset, size = self._lease(pool, conn)
-        self._reply(conn, m.Leased.wire(rid=rid, offset=offset, size=size))
-
-    def _on_acquire(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
-                    sizes: Optional[list[int]], local_only: bool, budget_ms: int) -> None:
-        room = self.limits.max_pins_per_connection - conn.pins
-        if room < len(keys):  # pin what fits: the keys after it miss
-            self.refused["max_pins_per_connection"] += 1
-            keys = keys[:max(room, 0)]
-            sizes = None if sizes is None else sizes[:len(keys)]
-        pins = pool.acquire(keys, sizes, conn.id)
-        conn.pins += len(pins)
-        if (self.cluster is not None and not local_only and sizes is not None
-                and len(pins) < len(keys)):  # the rest from the home nodes, then answer
-            self.cluster.acquire(conn, conn.tenant, rid, keys, sizes, pins, budget_ms)
-            return
-        self._reply(conn, m.Pinned.wire(rid=rid, tokens=[p.token for p in pins],
-                                        offsets=[p.offset for p in pins],
-                                        sizes=[p.size for p in pins]))
-
-    def _on_release(self, conn: _Conn, pool: Pool, tokens: list[int]) -> None:
-        conn.pins -= pool.release(tokens, conn.id)
-
-    def _on_exists(self, conn: _Conn, pool: Pool, rid: int, keys: list[str],
-                   sizes: Optional[list[int]], local_only: bool, budget_ms: int) -> None:
-        n = pool.exists(keys, sizes)
-        if self.cluster is not None and not local_only and n < len(keys):
-            self.cluster.exists(conn, conn.tenant, rid, keys, sizes, n, budget_ms)
-            return
-        self._reply(conn, m.Count.wire(rid=rid, n=n))
-
-    def _lease(self, pool: Pool, conn: _Conn) -> tuple[int, int]:
-        """A fresh lease for ``conn``: (offset, size), or (0, 0) when there is no room or
-        a lease limit says no (the client then saves through reserve/commit)."""
-        size = m.lease_bytes(pool.capacity_bytes)
-        if not size:
-            return 0, 0
-        limits = self.limits
-        if pool.leased_by(conn.id) + size > limits.max_leases_per_connection * size:
-            self.refused["max_leases_per_connection"] += 1
-            return 0, 0
-        if pool.leased_bytes + size > limits.lease_share * pool.capacity_bytes:
-            self.refused["lease_share"] += 1
-            return 0, 0
-        offset = pool.lease(size, conn.id)
-        return (0, 0) if offset is None else (offset, size)
-
     # ------------------------------------------------------------ statistics
-    def report(self, conn: Optional[_Conn] = None, all_tenants: bool = True) -> dict[str, Any]:
+    def report(self, conn: Optional[Session] = None, all_tenants: bool = True) -> dict[str, Any]:
         """Counters of the daemon and of each tenant (an admin sees every tenant,
         a tenant only itself)."""
         if conn is None or (conn.admin and all_tenants):
@@ -766,23 +621,17 @@ class Daemon:
             row["connections"] = t.connections
             row["quota_bytes"] = t.quota_bytes
             row["source"] = t.source
-            if self.cluster is not None:  # this tenant's lookups and writes there
-                row["tiers"] = {"cluster": self.cluster.tenant_tier(t)}
+            tiers = {}
+            for tier in self.tiers:  # this tenant's lookups and writes there
+                tier_row = tier.tenant_report(t)
+                if tier_row is not None:
+                    tiers[tier.name] = tier_row
+            if tiers:
+                row["tiers"] = tiers
             out["tenants"][t.name] = row
-        if self.cluster is not None:
-            out["cluster"] = self.cluster.report()
+        for tier in self.tiers:
+            tier_report = tier.report()
+            if tier_report is not None:
+                out[tier.name] = tier_report
         return out
 
-
-#: The request handlers of a tenant session, by message class.
-_HANDLERS: dict[type[m.Message], Callable[..., None]] = {
-    m.Reserve: Daemon._on_reserve,
-    m.Commit: Daemon._on_commit,
-    m.Abort: Daemon._on_abort,
-    m.Put: Daemon._on_put,
-    m.Return: Daemon._on_return,
-    m.Lease: Daemon._on_lease,
-    m.Acquire: Daemon._on_acquire,
-    m.Release: Daemon._on_release,
-    m.Exists: Daemon._on_exists,
-}

@@ -1,0 +1,122 @@
+"""The tier seam: what lies beyond a host's shared memory, and how the daemon asks it.
+
+The tenant's pool in shared memory (``ems.pool.core``) is the tier every request
+starts and ends in: clients copy only to and from it. Other tiers (the local disk,
+``ems.server.disk_tier``; the Valkey Cluster shared by every host,
+``ems.server.cluster_tier``) implement :class:`Tier` and are called by the request
+handlers (``ems.server.handlers``) at the points where a request can go beyond
+shared memory:
+
+==============  ==============================================  ======================
+point           hook                                            default (not handled)
+==============  ==============================================  ======================
+load misses     :meth:`Tier.fill` brings keys into shared       ``False``
+                memory, then the handler pins them
+exists misses   :meth:`Tier.count` counts leading keys present  ``False``
+new objects     :meth:`Tier.stored` (write-behind, spill)       nothing
+save beyond     :meth:`Tier.save_through` (``write_rcache``     ``False``: stored
+shared memory   False: that tier only, no local copy)           locally as usual
+an eviction     :meth:`Tier.evicted`                            nothing
+a session ends  :meth:`Tier.closed`                             nothing
+the report      :meth:`Tier.report`, :meth:`Tier.tenant_report` ``None``
+stop            :meth:`Tier.close`                              nothing
+==============  ==============================================  ======================
+
+Optional hooks return neutral results, and capabilities are declared as class
+attributes (vLLM's connector base does the same: ``SupportsHMA``): :attr:`Tier.local`
+(the tier counts as this host's, for ``read_local_only`` and a local ``exists``),
+:attr:`Tier.takes_saves_through`. Lookups go shared memory, then the tiers in their
+order (disk before cluster); each tier fills shared memory with the leading keys it
+has, the handler pins them and hands what is still missing to the next one.
+
+A tier never answers a client, never touches a session's state and never imports
+another tier: it is told what to do and calls ``done`` on the event loop (through
+:class:`Loop`) when its part is over. It may use its tenant's pool with owners of its
+own (a fetch's reservations, the pins of values being written out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar, Optional, Protocol, Sequence
+
+from ems.server.session import Session
+from ems.server.tenants import Tenant
+
+__all__ = ["Extent", "Loop", "Report", "Tier"]
+
+#: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
+Report = dict[str, object]
+
+
+class Loop(Protocol):
+    """The daemon's event loop, as a tier sees it."""
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the event loop soon (callable from any thread)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """A range of a tenant's shared memory: where a value's bytes are."""
+
+    offset: int
+    size: int
+
+
+class Tier:
+    """A tier below or beside shared memory. Every hook is optional; the defaults do
+    nothing and report "not handled" (see the module docstring)."""
+
+    #: its name in reports and metrics (``disk``, ``cluster``)
+    name: ClassVar[str] = "tier"
+    #: counts as this host's own: consulted by ``read_local_only`` loads and by a
+    #: local ``exists``
+    local: ClassVar[bool] = False
+    #: takes saves with ``write_rcache`` False (:meth:`save_through`)
+    takes_saves_through: ClassVar[bool] = False
+    #: wants :meth:`stored` after each commit or carve of new keys
+    wants_stored: ClassVar[bool] = False
+    #: wants :meth:`evicted` for each object the pool evicts
+    wants_evicted: ClassVar[bool] = False
+
+    def fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+             deadline: Optional[float], done: Callable[[], None]) -> bool:
+        """Bring the leading run of ``keys`` that this tier holds into ``tenant``'s pool
+        (committed there), then call ``done()`` on the loop, whatever came of it, by
+        ``deadline`` (monotonic seconds; None: the tier's own bound). False: nothing
+        to do here (``done`` is not called)."""
+        return False
+
+    def count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+              deadline: Optional[float], done: Callable[[int], None]) -> bool:
+        """Count the leading run of ``keys`` present in this tier; ``done(n)`` on the
+        loop by ``deadline``. False: not handled (``done`` is not called)."""
+        return False
+
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """New objects were committed in ``tenant``'s pool (a save's NEW keys)."""
+
+    def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
+                     deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
+        """Store values that a client wrote into ``extents`` of the pool in this tier
+        only; ``done(ok per key)`` on the loop when they are (or are not) stored, after
+        which the extents are given back. False: not handled (stored locally)."""
+        return False
+
+    def evicted(self, tenant: Tenant, key: str, size: int) -> None:
+        """``key`` left ``tenant``'s pool to make room for another."""
+
+    def closed(self, session: Session) -> None:
+        """A session ended (its pins, reservations and lease are gone already)."""
+
+    def report(self) -> Optional[Report]:
+        """The tier's part of the daemon's report (``report()[name]``)."""
+        return None
+
+    def tenant_report(self, tenant: Tenant) -> Optional[Report]:
+        """The tier's counters of one tenant (``tenants[name]["tiers"][tier name]``)."""
+        return None
+
+    def close(self) -> None:
+        """The daemon stops (after the last request was answered)."""
