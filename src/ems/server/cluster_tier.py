@@ -72,8 +72,9 @@ from ems.cluster import value
 from ems.cluster.client import ClusterClient, Op
 from ems.cluster.keys import cluster_key
 from ems.cluster.topology import ClusterSettings
-from ems.pool.core import Grant, GrantStatus, Pin, Pool
+from ems.pool.core import Pin
 from ems.server.config import ServerConfig
+from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentMaps
 from ems.server.tenants import Tenant
 from ems.server.tiers import Extent, Loop, Report, Tier
@@ -109,33 +110,6 @@ class TierStatistics:
     latency_max_ms: float
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reserved:
-    """A key this tier reserved in a pool to fetch it into."""
-
-    key: str
-    grant: Grant
-
-
-class _Fetch:
-    """One batch of GETs in flight, and the ``done`` callbacks of the loads that wait
-    for it (a load may wait for several: its own and other requests' fetches)."""
-
-    __slots__ = ("waiters",)
-
-    def __init__(self) -> None:
-        self.waiters: list[_Waiting] = []
-
-
-class _Waiting:
-    """A load waiting for ``pending`` fetches; then its ``done`` runs."""
-
-    __slots__ = ("done", "pending")
-
-    def __init__(self, done: Callable[[], None], pending: int) -> None:
-        self.done, self.pending = done, pending
-
-
 class ClusterTier(Tier):
     """See the module docstring. The hooks run on the event loop; the network I/O on
     the tier's workers."""
@@ -154,8 +128,7 @@ class ClusterTier(Tier):
         self._loop = loop
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="ems-cluster-io")
         self._memory = SegmentMaps()
-        #: (tenant segment, key) -> the fetch that is getting it now (others wait for it)
-        self._inflight: dict[tuple[int, str], _Fetch] = {}
+        self._fetches = FetchBook(FETCH_OWNER)
         self._write_behind_limit = write_behind_bytes
         # A fetch writes into a reservation: it must end well before the pool may
         # expire that reservation and give its space to another key.
@@ -223,39 +196,15 @@ class ClusterTier(Tier):
         not fetched (a value's size is needed to reserve its space)."""
         if sizes is None:
             return False
-        pool = tenant.pool
-        tid = tenant.segment_id
-        waits: list[_Fetch] = []
-        mine: list[_Reserved] = []
-        for key, size in zip(keys, sizes):
-            fetch = self._inflight.get((tid, key))
-            if fetch is not None:
-                if fetch not in waits:
-                    waits.append(fetch)
-            else:
-                grant = pool.reserve([key], [size], FETCH_OWNER)[0]
-                if grant.status is not GrantStatus.NEW:
-                    break
-                mine.append(_Reserved(key, grant))
-        if mine:
-            waits.append(self._fetch(tenant, mine, self._deadline(deadline)))
-        if not waits:
-            return False
-        waiting = _Waiting(done, len(waits))
-        for fetch in waits:
-            fetch.waiters.append(waiting)
-        return True
+        return self._fetches.plan(tenant, keys, sizes, done,
+                                  lambda fetch: self._fetch(fetch, self._deadline(deadline)))
 
-    def _fetch(self, tenant: Tenant, reserved: list[_Reserved], deadline: float) -> _Fetch:
-        """Start one batch of GETs into reserved pool space; registered as in flight."""
-        pool: Pool = tenant.pool
+    def _fetch(self, fetch: Fetch, deadline: float) -> None:
+        """One batch of GETs into the fetch's reserved pool space."""
+        tenant = fetch.tenant
         ops = [Op("get", cluster_key(tenant.name, r.key),
                   target=self._memory.view(tenant, r.grant.offset, r.grant.size),
-                  size=r.grant.size) for r in reserved]
-        fetch = _Fetch()
-        tid = tenant.segment_id
-        for r in reserved:
-            self._inflight[(tid, r.key)] = fetch
+                  size=r.grant.size) for r in fetch.reserved]
 
         def work() -> list[bool]:
             self.client.run(ops, deadline)
@@ -266,19 +215,12 @@ class ClusterTier(Tier):
             for op in ops:
                 if op.target is not None:
                     op.target.release()
-            pool.commit([r.grant.token for r, hit in zip(reserved, ok) if hit], FETCH_OWNER)
-            pool.abort([r.grant.token for r, hit in zip(reserved, ok) if not hit], FETCH_OWNER)
-            for r in reserved:  # every verified value has filled the read cache
-                self._inflight.pop((tid, r.key), None)
             self._count(tenant, lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
-                        bytes_in=sum(r.grant.size for r, hit in zip(reserved, ok) if hit))
-            for waiting in fetch.waiters:
-                waiting.pending -= 1
-                if waiting.pending == 0:
-                    waiting.done()
+                        bytes_in=sum(r.grant.size for r, hit in zip(fetch.reserved, ok)
+                                     if hit))
+            self._fetches.finish(fetch, ok)  # every verified value fills the read cache
 
         self._submit(work, done)
-        return fetch
 
     def count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
               deadline: Optional[float], done: Callable[[int], None]) -> bool:

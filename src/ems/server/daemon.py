@@ -125,9 +125,6 @@ class Daemon:
     def start(self) -> None:
         """Take the socket (refusing a live daemon, replacing a stale socket file)."""
         path = self.path
-        if not self.tiers:
-            self.tiers = self._start_tiers()
-            self.handlers = Handlers(self.limits, self.tiers, self, self.refused)
         if len(os.fsencode(path)) > 107:
             raise DaemonError(f"socket path {path} is longer than the 107 bytes a unix "
                               f"socket allows; use a shorter socket_dir")
@@ -158,12 +155,23 @@ class Daemon:
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
         self._watch(self._wake_r, "wake")
+        if not self.tiers:  # last: a daemon that cannot serve starts no tier's threads
+            try:
+                self.tiers = self._start_tiers()
+            except DaemonError:
+                self._listener.close()
+                self._release_lock()
+                raise
+            self.handlers = Handlers(self.limits, self.tiers, self, self.refused)
         self._started = time.monotonic()
 
     def _start_tiers(self) -> list[Tier]:
         """The tiers of ``config``, in lookup order: disk, then cluster."""
         tiers: list[Tier] = []
         try:
+            if self.config.disk is not None:
+                from ems.server import disk_tier
+                tiers.append(disk_tier.start(self.config, self, lambda: iter(self.registry)))
             if self.config.cluster:
                 from ems.server import cluster_tier
                 tiers.append(cluster_tier.start(self.config, self))

@@ -1,0 +1,110 @@
+"""Fetches into shared memory: which keys a tier is bringing in now, and who waits.
+
+A tier that fills shared memory on a load's misses (the disk, the cluster) reserves
+pool space for each key it will bring, under an owner of its own, writes the bytes
+there from its workers, then commits what arrived whole and aborts the rest. Two
+requests of one host often want the same keys at the same moment (the TP ranks of an
+MLA model load the same blocks): the second one waits for the first one's fetch
+instead of fetching them again. The bookkeeping of that, shared by the tiers::
+
+    plan(keys):  key in flight?  -> wait for that fetch
+                 else reserve    -> NEW: this request's fetch; else the run ends
+    start(fetch) -> the tier's workers move the bytes
+    finish(ok)   -> commit the good ones, abort the others, wake every waiter
+                    whose last fetch this was
+
+It runs on the event loop only (no lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Optional, Sequence
+
+from ems.pool.core import Grant, GrantStatus
+from ems.server.tenants import Tenant
+
+__all__ = ["Fetch", "FetchBook", "Reserved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reserved:
+    """A key reserved in a pool to fetch it into."""
+
+    key: str
+    grant: Grant
+
+
+class Fetch:
+    """One batch of keys being brought in, and the requests that wait for it."""
+
+    __slots__ = ("reserved", "tenant", "waiters")
+
+    def __init__(self, tenant: Tenant, reserved: list[Reserved]) -> None:
+        self.tenant, self.reserved = tenant, reserved
+        self.waiters: list[_Waiting] = []
+
+
+class _Waiting:
+    """A request waiting for ``pending`` fetches; then its ``done`` runs."""
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, done: Callable[[], None], pending: int) -> None:
+        self.done, self.pending = done, pending
+
+
+class FetchBook:
+    """The fetches of one tier (its pool owner is ``owner``)."""
+
+    def __init__(self, owner: Hashable) -> None:
+        self.owner = owner
+        self._inflight: dict[tuple[int, str], Fetch] = {}
+
+    def plan(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+             done: Callable[[], None], start: Callable[[Fetch], None]) -> bool:
+        """Wait for fetches in flight or reserve (in order, up to the first key that is
+        neither), ``start`` this request's own fetch, and run ``done`` once every fetch
+        it waits for is finished. False: nothing to fetch or wait for."""
+        pool = tenant.pool
+        tid = tenant.segment_id
+        waits: list[Fetch] = []
+        mine: list[Reserved] = []
+        for key, size in zip(keys, sizes):
+            fetch = self._inflight.get((tid, key))
+            if fetch is not None:
+                if fetch not in waits:
+                    waits.append(fetch)
+                continue
+            grant = pool.reserve([key], [size], self.owner)[0]
+            if grant.status is not GrantStatus.NEW:
+                break
+            mine.append(Reserved(key, grant))
+        own: Optional[Fetch] = None
+        if mine:
+            own = Fetch(tenant, mine)
+            for r in mine:
+                self._inflight[(tid, r.key)] = own
+            waits.append(own)
+        if not waits:
+            return False
+        waiting = _Waiting(done, len(waits))
+        for fetch in waits:
+            fetch.waiters.append(waiting)
+        if own is not None:
+            start(own)
+        return True
+
+    def finish(self, fetch: Fetch, ok: Sequence[bool]) -> None:
+        """``fetch`` is over: ``ok[i]`` says whether its i-th key's bytes are whole."""
+        pool, tid = fetch.tenant.pool, fetch.tenant.segment_id
+        ok = list(ok) + [False] * (len(fetch.reserved) - len(ok))
+        pool.commit([r.grant.token for r, good in zip(fetch.reserved, ok) if good], self.owner)
+        pool.abort([r.grant.token for r, good in zip(fetch.reserved, ok) if not good],
+                   self.owner)
+        for r in fetch.reserved:
+            self._inflight.pop((tid, r.key), None)
+        for waiting in fetch.waiters:
+            waiting.pending -= 1
+            if waiting.pending == 0:
+                waiting.done()
