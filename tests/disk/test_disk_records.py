@@ -9,8 +9,16 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from ems.disk.records import (
-    HEADER_BYTES, MAX_NAME_BYTES, Checkpoint, CheckpointRegion, CheckpointTenant,
-    decode_checkpoint, encode_checkpoint, encode_header, parse_header, record_span,
+    HEADER_BYTES,
+    MAX_NAME_BYTES,
+    Checkpoint,
+    CheckpointRegion,
+    CheckpointTenant,
+    decode_checkpoint,
+    encode_checkpoint,
+    encode_header,
+    parse_header,
+    record_span,
     value_checksum,
 )
 
