@@ -27,13 +27,14 @@ bytes a key.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from ems.disk.records import ALIGN
 
-__all__ = ["DiskIndex", "Evicted", "Location", "Refusal", "Reservation"]
+__all__ = ["DiskIndex", "Evicted", "Location", "Refusal", "Reservation", "columns"]
 
 _SEQ_BITS = 48
 _SIZE_BITS = 40
@@ -67,6 +68,19 @@ class Location:
                    ((packed >> _BLOCK_AT) & ((1 << _BLOCK_BITS) - 1)) * ALIGN,
                    (packed >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1),
                    packed & ((1 << _SEQ_BITS) - 1))
+
+
+def columns(entries: dict[str, int]) -> tuple[list[str], array, array, array, array]:
+    """A tenant's packed entries (:meth:`DiskIndex.entries`) as columns: keys, regions,
+    offsets, sizes, seqs (one comprehension each: a million in ~0.5 s, where a
+    :class:`Location` per entry took 3 s)."""
+    packed = list(entries.values())
+    block_mask = (1 << _BLOCK_BITS) - 1
+    return (list(entries),
+            array("Q", [p >> _REGION_AT for p in packed]),
+            array("Q", [((p >> _BLOCK_AT) & block_mask) * ALIGN for p in packed]),
+            array("Q", [(p >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1) for p in packed]),
+            array("Q", [p & ((1 << _SEQ_BITS) - 1) for p in packed]))
 
 
 class Refusal(enum.Enum):
@@ -313,25 +327,30 @@ class DiskIndex:
         r.keys.append(key)
         return True
 
-    def restore_bulk(self, tenant: str, keys: list[str], regions: list[int],
-                     offsets: list[int], sizes: list[int], seqs: list[int]) -> int:
-        """:meth:`restore_entry` for a checkpoint's columns (a million in ~0.5 s, for a
-        fresh index whose regions are restored); returns how many were kept."""
+    def restore_bulk(self, tenant: str, keys: list[str], regions: Sequence[int],
+                     offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int]) -> int:
+        """:meth:`restore_entry` for a checkpoint's columns, into a fresh index whose
+        regions are restored (each key at most once); returns how many were kept. The
+        packing and the dict are built by comprehension and ``dict.update`` and only one
+        cheap loop remains (grouping keys by region): a million in ~1 s."""
         entries = self._entries.setdefault(tenant, {})
-        known = self._regions
-        kept = 0
-        vbytes = 0
-        for key, rid, off, size, seq in zip(keys, regions, offsets, sizes, seqs):
-            r = known.get(rid)
-            if r is None or r.tenant != tenant or key in entries:
-                continue
-            entries[key] = ((rid << _REGION_AT) | ((off // ALIGN) << _BLOCK_AT)
-                            | (size << _SIZE_AT) | seq)
-            r.keys.append(key)
-            vbytes += size
-            kept += 1
-        self._value_bytes[tenant] = self.value_bytes(tenant) + vbytes
-        return kept
+        entries.update(zip(keys, [
+            (rid << _REGION_AT) | ((off // ALIGN) << _BLOCK_AT) | (size << _SIZE_AT) | seq
+            for rid, off, size, seq in zip(regions, offsets, sizes, seqs)]))
+        groups = {rid: r.keys for rid, r in self._by_tenant.get(tenant, {}).items()}
+        lost_bytes = 0
+        lost = []
+        for key, rid, size in zip(keys, regions, sizes):
+            g = groups.get(rid)
+            if g is None:
+                lost.append(key)
+                lost_bytes += size
+            else:
+                g.append(key)
+        for key in lost:  # its region's file is gone
+            del entries[key]
+        self._value_bytes[tenant] = self.value_bytes(tenant) + sum(sizes) - lost_bytes
+        return len(keys) - len(lost)
 
     def scan_from(self) -> Iterator[tuple[str, int, int]]:
         """(tenant, region, offset) per region, oldest first: records at or after the

@@ -39,6 +39,7 @@ import struct
 import zlib
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional, Union
 
 import xxhash
@@ -238,11 +239,11 @@ def decode_checkpoint(data: bytes) -> Optional[Checkpoint]:
                 cols.append(col)
             text = data[at:at + blob_len].decode()
             at += blob_len
-            keys = []
-            pos = 0
-            for n in cols[4]:
-                keys.append(text[pos:pos + n])
-                pos += n
+            ends = list(accumulate(cols[4]))
+            # slices made and applied by map: no Python-level loop per key
+            keys = list(map(text.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+            if ends and ends[-1] != len(text):
+                return None
             if count:
                 tenants.append(CheckpointTenant(name, keys, *cols[:4]))
         if at != len(data) - 8:

@@ -178,8 +178,7 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> R
     if ck is not None:
         next_seq = ck.next_seq
         for t in ck.tenants:
-            index.restore_bulk(t.tenant, t.keys, list(t.regions),
-                                            list(t.offsets), list(t.sizes), list(t.seqs))
+            index.restore_bulk(t.tenant, t.keys, t.regions, t.offsets, t.sizes, t.seqs)
     skip = clean and ck is not None
     damaged = [0]
     scanned = 0

@@ -44,10 +44,9 @@ import mmap
 import os
 import threading
 import time
-from array import array
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
-from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation
+from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
 from ems.disk.io import RegionFile, probe_direct
 from ems.disk.records import (
     HEADER_BYTES,
@@ -617,13 +616,7 @@ class DiskStore:
             finally:
                 for f in files:
                     self._release(f)
-            tenants = []
-            for t, entries in snap.items():
-                locs = [Location.unpack(p) for p in entries.values()]
-                tenants.append(CheckpointTenant(
-                    t, list(entries), _column(lc.region for lc in locs),
-                    _column(lc.offset for lc in locs), _column(lc.size for lc in locs),
-                    _column(lc.seq for lc in locs)))
+            tenants = [CheckpointTenant(t, *columns(entries)) for t, entries in snap.items()]
             data = encode_checkpoint(Checkpoint(next_seq, next_region, regions, tenants))
             path = os.path.join(self._root, CHECKPOINT)
             try:
@@ -686,10 +679,6 @@ class DiskStore:
                 direct_io=self._direct, direct_writes=c["direct_writes"],
                 buffered_writes=c["buffered_writes"], direct_reads=c["direct_reads"],
                 buffered_reads=c["buffered_reads"])
-
-
-def _column(values: Iterable[int]) -> array:
-    return array("Q", values)
 
 
 def _private(path: str, flags: int) -> int:
