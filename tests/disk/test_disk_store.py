@@ -237,8 +237,10 @@ def test_damaged_and_truncated_records_are_misses(tmp_path, clean):
                 fh.seek(at)
                 fh.write(bytes([b[0] ^ 0x5A]))
     os.truncate(files[-1], os.path.getsize(files[-1]) // 2)
-    if not clean:  # no checkpoint either: recovery scans every record
-        os.unlink(tmp_path / "index.ckpt")
+    if not clean:  # a damaged checkpoint too: recovery ignores it and scans every record
+        raw = bytearray((tmp_path / "index.ckpt").read_bytes())
+        raw[len(raw) // 2] ^= 1
+        (tmp_path / "index.ckpt").write_bytes(bytes(raw))
     store = opened(tmp_path, checkpoint_s=0, region_bytes=256 * KiB)
     try:
         results = {}
@@ -260,6 +262,7 @@ def test_damaged_and_truncated_records_are_misses(tmp_path, clean):
         else:  # the scan dropped those whose value fails its checksum (a damaged
             # header is garbage to a scan: not counted, and not found)
             assert st.records_dropped_damaged > st.read_damaged == 0
+            assert st.records_scanned >= 10 and not st.scan_skipped
         for k in bad:  # dropped: a second read is a plain miss
             assert not store.contains("t", k)
     finally:
@@ -412,5 +415,48 @@ def test_reads_during_recovery_wait_within_their_deadline(tmp_path):
         # only because recovery has not reached it yet
         assert store.read("t", "k199", memoryview(buf), time.monotonic() + 30) is ReadResult.HIT
         assert not store.recovering and store.contains("t", "k0")
+    finally:
+        store.close()
+
+
+def test_threads_writing_reading_and_evicting_never_see_wrong_bytes(tmp_path):
+    import threading
+    region = 256 * KiB
+    store = opened(tmp_path, checkpoint_s=0.05, capacity_bytes=8 * region, region_bytes=region)
+    errors = []
+    counts = {"hits": 0}
+
+    def work(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            for _ in range(150):
+                k = f"k{rng.randrange(400)}"
+                n = 4096 * (1 + int(k[1:]) % 5)
+                if rng.random() < 0.5:
+                    got = store.write("t", k, value_of(k, n))
+                    assert got in (WriteResult.WRITTEN, WriteResult.EXISTS), got
+                else:
+                    buf = bytearray(n)
+                    got = store.read("t", k, memoryview(buf), time.monotonic() + 30)
+                    assert got in (ReadResult.HIT, ReadResult.MISS), got
+                    if got is ReadResult.HIT:
+                        assert bytes(buf) == value_of(k, n), k
+                        counts["hits"] += 1
+                if rng.random() < 0.05:
+                    store.delete("t", k)
+        except AssertionError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors
+        st = store.statistics()
+        assert counts["hits"] > 0 and st.regions_evicted > 0 and st.used_bytes <= 8 * region
+        assert st.checkpoints > 0
+        store._index.check()
     finally:
         store.close()

@@ -303,6 +303,9 @@ class DiskStore:
         return False
 
     # --- queries (index only, no I/O) ------------------------------------------------
+    # While recovery runs they answer False / 0 / None: a caller that must not miss an
+    # object only because recovery has not reached it waits with wait_recovered(...)
+    # bounded by its own deadline first.
 
     def contains(self, tenant: str, key: str, size: Optional[int] = None) -> bool:
         """Whether the index has ``key`` (of ``size`` bytes when given)."""
@@ -338,7 +341,9 @@ class DiskStore:
               ) -> WriteResult:
         """Append a record holding ``value`` (blocking); the key is in the index once the
         record is in the page cache (durable at the next checkpoint). Never raises for a
-        disk condition."""
+        disk condition. Waits for recovery first (it must know the sequence numbers)."""
+        if not self._opened:
+            return WriteResult.OFF
         self._recovered.wait()
         t0 = self._clock()
         view = memoryview(value)
@@ -470,6 +475,8 @@ class DiskStore:
         """Read ``key``'s value into ``into`` (exactly its size) by ``deadline`` (on the
         store's clock): no transfer starts after it. ``HIT`` only when the header matches
         the index and the checksum of header and value holds."""
+        if not self._opened:
+            return ReadResult.OFF
         if self._state is DiskState.RECOVERING:
             if not self._recovered.wait(max(0.0, deadline - self._clock())):
                 return self._count_read(ReadResult.TIMEOUT)
