@@ -1,0 +1,374 @@
+"""The disk store's bookkeeping, pure: which record holds a key, which region a write
+goes to, and which regions make room when the disk or a tenant's share is full.
+
+No file, clock, lock or thread: the store holds one lock around every call and does the
+I/O. Proven against a dict model in ``tests/disk/test_index_model.py``.
+
+Regions and eviction (CacheLib Navy's region eviction): each tenant appends its records
+to its own *active* region, a file that grows up to ``region_bytes``; a record that does
+not fit seals the region and opens a new one. Space is reclaimed a whole region at a
+time, the least recently used first (a hit or a write moves its region to the back),
+so the disk sees only large sequential writes and whole-file deletes, never a hole
+punched into the middle of a file, and the index needs no free-space map. Dead records
+(overwritten or deleted keys) keep their bytes until their region goes. A tenant over
+its quota gives up its own least recently used region; a full disk gives up the least
+recently used region of any tenant. A region with a write in flight is never taken.
+
+A region's lifecycle::
+
+    (new) --reserve--> active --full / evicted-->  sealed --evicted--> (gone)
+                         |  writers > 0: never evicted  |
+
+An entry is packed into one int (seq | size | block | region), one small object per key
+instead of a tuple of four: the index of a million keys is the keys' strings plus ~50
+bytes a key.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+from ems.disk.records import ALIGN
+
+__all__ = ["DiskIndex", "Evicted", "Location", "Refusal", "Reservation", "columns"]
+
+_SEQ_BITS = 48
+_SIZE_BITS = 40
+_BLOCK_BITS = 32
+_SIZE_AT = _SEQ_BITS
+_BLOCK_AT = _SIZE_AT + _SIZE_BITS
+_REGION_AT = _BLOCK_AT + _BLOCK_BITS
+
+
+def _pack(region: int, offset: int, size: int, seq: int) -> int:
+    return (region << _REGION_AT) | ((offset // ALIGN) << _BLOCK_AT) | (size << _SIZE_AT) | seq
+
+
+def _region_of(packed: int) -> int:
+    return packed >> _REGION_AT
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a key's record is: region id, byte offset in the region file, value size,
+    and the write's sequence number (the record's header must carry the same)."""
+
+    region: int
+    offset: int
+    size: int
+    seq: int
+
+    @classmethod
+    def unpack(cls, packed: int) -> Location:
+        return cls(packed >> _REGION_AT,
+                   ((packed >> _BLOCK_AT) & ((1 << _BLOCK_BITS) - 1)) * ALIGN,
+                   (packed >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1),
+                   packed & ((1 << _SEQ_BITS) - 1))
+
+
+def columns(entries: dict[str, int]) -> tuple[list[str], array, array, array, array]:
+    """A tenant's packed entries (:meth:`DiskIndex.entries`) as columns: keys, regions,
+    offsets, sizes, seqs (one comprehension each: a million in ~0.5 s, where a
+    :class:`Location` per entry took 3 s)."""
+    packed = list(entries.values())
+    block_mask = (1 << _BLOCK_BITS) - 1
+    return (list(entries),
+            array("Q", [p >> _REGION_AT for p in packed]),
+            array("Q", [((p >> _BLOCK_AT) & block_mask) * ALIGN for p in packed]),
+            array("Q", [(p >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1) for p in packed]),
+            array("Q", [p & ((1 << _SEQ_BITS) - 1) for p in packed]))
+
+
+class Refusal(enum.Enum):
+    """Why :meth:`DiskIndex.reserve` found no room."""
+
+    QUOTA = "quota"  # the tenant's share is full of regions with writes in flight
+    NO_SPACE = "no_space"  # the disk is full of regions with writes in flight
+    TOO_LARGE = "too_large"  # the record is larger than a region, the quota or the disk
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """A region the index gave up: the store deletes its file."""
+
+    tenant: str
+    region: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Room for one record: ``span`` bytes at ``offset`` of ``region``; ``fresh`` when the
+    region is new (the store creates its file). ``evicted`` made the room."""
+
+    tenant: str
+    region: int
+    offset: int
+    span: int
+    fresh: bool
+    evicted: tuple[Evicted, ...]
+
+
+class _Region:
+    __slots__ = ("tenant", "id", "end", "pending", "keys")
+
+    def __init__(self, tenant: str, rid: int, end: int) -> None:
+        self.tenant = tenant
+        self.id = rid
+        self.end = end  # bytes used (reserved) in the file
+        self.pending: set[int] = set()  # offsets of writes in flight
+        self.keys: list[str] = []  # keys committed here (some may since live elsewhere)
+
+
+class DiskIndex:
+    """Keys -> records, regions in LRU order, bytes per tenant and on the disk."""
+
+    def __init__(self, capacity_bytes: int, region_bytes: int) -> None:
+        if region_bytes % ALIGN or region_bytes <= 0:
+            raise ValueError(f"region_bytes must be a positive multiple of {ALIGN}")
+        self.capacity_bytes = capacity_bytes
+        self.region_bytes = region_bytes
+        self.used_bytes = 0
+        self.next_region = 1
+        self._entries: dict[str, dict[str, int]] = {}
+        self._regions: OrderedDict[int, _Region] = OrderedDict()  # global LRU order
+        self._by_tenant: dict[str, OrderedDict[int, _Region]] = {}
+        self._active: dict[str, int] = {}
+        self._tenant_bytes: dict[str, int] = {}
+        self._value_bytes: dict[str, int] = {}
+        self._quota: dict[str, int] = {}
+
+    # --- queries ---------------------------------------------------------------------
+
+    def lookup(self, tenant: str, key: str) -> Optional[Location]:
+        packed = self._entries.get(tenant, {}).get(key)
+        return None if packed is None else Location.unpack(packed)
+
+    def size_of(self, tenant: str, key: str) -> Optional[int]:
+        loc = self.lookup(tenant, key)
+        return None if loc is None else loc.size
+
+    def objects(self, tenant: Optional[str] = None) -> int:
+        if tenant is not None:
+            return len(self._entries.get(tenant, {}))
+        return sum(len(d) for d in self._entries.values())
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Disk bytes the tenant's regions occupy (what its quota bounds)."""
+        return self._tenant_bytes.get(tenant, 0)
+
+    def value_bytes(self, tenant: str) -> int:
+        """Bytes of the tenant's live values."""
+        return self._value_bytes.get(tenant, 0)
+
+    def quota(self, tenant: str) -> Optional[int]:
+        return self._quota.get(tenant)
+
+    def tenants(self) -> list[str]:
+        return sorted(set(self._entries) | set(self._by_tenant) | set(self._quota))
+
+    def regions(self) -> int:
+        return len(self._regions)
+
+    def region_tenant(self, region: int) -> Optional[str]:
+        r = self._regions.get(region)
+        return None if r is None else r.tenant
+
+    def region_ids(self, tenant: str) -> list[int]:
+        """The tenant's regions, least recently used first."""
+        return list(self._by_tenant.get(tenant, {}))
+
+    # --- updates ---------------------------------------------------------------------
+
+    def set_quota(self, tenant: str, quota_bytes: Optional[int]) -> None:
+        if quota_bytes is None:
+            self._quota.pop(tenant, None)
+        else:
+            self._quota[tenant] = quota_bytes
+
+    def touch(self, region: int) -> None:
+        r = self._regions.get(region)
+        if r is not None:
+            self._regions.move_to_end(region)
+            self._by_tenant[r.tenant].move_to_end(region)
+
+    def reserve(self, tenant: str, span: int) -> Union[Reservation, Refusal]:
+        """Room for a ``span``-byte record of ``tenant``, evicting whole regions (least
+        recently used first) to make it; the caller then writes and :meth:`commit`s or
+        :meth:`abort`s."""
+        quota = self._quota.get(tenant)
+        if span > self.region_bytes or span > self.capacity_bytes:
+            return Refusal.TOO_LARGE
+        if quota is not None and span > quota:
+            return Refusal.TOO_LARGE
+        mine = self._by_tenant.get(tenant, OrderedDict())
+        if quota is not None and self.tenant_bytes(tenant) + span > quota:
+            if self.tenant_bytes(tenant) - self._free_able(mine) + span > quota:
+                return Refusal.QUOTA
+        if self.used_bytes + span > self.capacity_bytes:
+            if self.used_bytes - self._free_able(self._regions) + span > self.capacity_bytes:
+                return Refusal.NO_SPACE
+        # room is certain now: evict, least recently used first
+        evicted: list[Evicted] = []
+        while quota is not None and self.tenant_bytes(tenant) + span > quota:
+            evicted.append(self._evict(self._victim(mine)))
+        while self.used_bytes + span > self.capacity_bytes:
+            evicted.append(self._evict(self._victim(self._regions)))
+        active = self._regions.get(self._active.get(tenant, 0))
+        fresh = active is None or active.end + span > self.region_bytes
+        if fresh:
+            active = _Region(tenant, self.next_region, 0)
+            self.next_region += 1
+            self._regions[active.id] = active
+            self._by_tenant.setdefault(tenant, OrderedDict())[active.id] = active
+            self._active[tenant] = active.id
+        assert active is not None
+        offset = active.end
+        active.end += span
+        active.pending.add(offset)
+        self.used_bytes += span
+        self._tenant_bytes[tenant] = self.tenant_bytes(tenant) + span
+        self.touch(active.id)
+        return Reservation(tenant, active.id, offset, span, fresh, tuple(evicted))
+
+    @staticmethod
+    def _free_able(regions: OrderedDict[int, _Region]) -> int:
+        return sum(r.end for r in regions.values() if not r.pending)
+
+    def commit(self, res: Reservation, key: str, size: int, seq: int) -> None:
+        """The record reserved by ``res`` is written: ``key`` now maps to it."""
+        r = self._regions.get(res.region)
+        if r is None:  # cannot happen: a region with a write in flight is never evicted
+            raise AssertionError(f"region {res.region} vanished under a write")
+        r.pending.discard(res.offset)
+        entries = self._entries.setdefault(res.tenant, {})
+        old = entries.get(key)
+        if old is not None:
+            self._value_bytes[res.tenant] -= Location.unpack(old).size
+        entries[key] = _pack(res.region, res.offset, size, seq)
+        self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + size
+        r.keys.append(key)
+
+    def abort(self, res: Reservation) -> None:
+        """The write reserved by ``res`` failed: its bytes stay used until the region
+        goes, and the region is sealed (nothing is appended after a failed write)."""
+        r = self._regions.get(res.region)
+        if r is not None:
+            r.pending.discard(res.offset)
+            if self._active.get(res.tenant) == res.region:
+                del self._active[res.tenant]
+
+    def remove(self, tenant: str, key: str, seq: Optional[int] = None) -> Optional[Location]:
+        """Forget ``key`` (only if its record has sequence ``seq`` when given)."""
+        entries = self._entries.get(tenant)
+        if entries is None or key not in entries:
+            return None
+        loc = Location.unpack(entries[key])
+        if seq is not None and loc.seq != seq:
+            return None
+        del entries[key]
+        self._value_bytes[tenant] -= loc.size
+        return loc
+
+    def drop_region(self, region: int) -> Optional[Evicted]:
+        """Forget a region and every entry in it (its file is gone or unusable)."""
+        r = self._regions.get(region)
+        return None if r is None else self._evict(r)
+
+    @staticmethod
+    def _victim(regions: OrderedDict[int, _Region]) -> _Region:
+        return next(r for r in regions.values() if not r.pending)
+
+    def _evict(self, r: _Region) -> Evicted:
+        entries = self._entries.get(r.tenant, {})
+        for key in r.keys:
+            packed = entries.get(key)
+            if packed is not None and _region_of(packed) == r.id:
+                del entries[key]
+                self._value_bytes[r.tenant] -= Location.unpack(packed).size
+        del self._regions[r.id]
+        del self._by_tenant[r.tenant][r.id]
+        if self._active.get(r.tenant) == r.id:
+            del self._active[r.tenant]
+        self.used_bytes -= r.end
+        self._tenant_bytes[r.tenant] -= r.end
+        return Evicted(r.tenant, r.id)
+
+    # --- recovery and checkpoints ----------------------------------------------------
+
+    def restore_region(self, tenant: str, region: int, end: int) -> None:
+        """Add a region found on disk (``end``: bytes it occupies), sealed, most recently
+        used; regions are restored oldest first."""
+        r = _Region(tenant, region, end)
+        self._regions[region] = r
+        self._by_tenant.setdefault(tenant, OrderedDict())[region] = r
+        self.used_bytes += end
+        self._tenant_bytes[tenant] = self.tenant_bytes(tenant) + end
+        self.next_region = max(self.next_region, region + 1)
+
+    def restore_entry(self, tenant: str, key: str, loc: Location) -> bool:
+        """Add a record found on disk; the newest write of a key wins. False when the
+        record's region is unknown or a newer record of the key is already known."""
+        r = self._regions.get(loc.region)
+        if r is None or r.tenant != tenant:
+            return False
+        entries = self._entries.setdefault(tenant, {})
+        old = entries.get(key)
+        if old is not None:
+            prev = Location.unpack(old)
+            if prev.seq >= loc.seq:
+                return False
+            self._value_bytes[tenant] -= prev.size
+        entries[key] = _pack(loc.region, loc.offset, loc.size, loc.seq)
+        self._value_bytes[tenant] = self.value_bytes(tenant) + loc.size
+        r.keys.append(key)
+        return True
+
+    def restore_bulk(self, tenant: str, keys: list[str], regions: Sequence[int],
+                     offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int]) -> int:
+        """:meth:`restore_entry` for a checkpoint's columns, into a fresh index whose
+        regions are restored (each key at most once); returns how many were kept. The
+        packing and the dict are built by comprehension and ``dict.update`` and only one
+        cheap loop remains (grouping keys by region): a million in ~1 s."""
+        entries = self._entries.setdefault(tenant, {})
+        entries.update(zip(keys, [
+            (rid << _REGION_AT) | ((off // ALIGN) << _BLOCK_AT) | (size << _SIZE_AT) | seq
+            for rid, off, size, seq in zip(regions, offsets, sizes, seqs)]))
+        groups = {rid: r.keys for rid, r in self._by_tenant.get(tenant, {}).items()}
+        lost_bytes = 0
+        lost = []
+        for key, rid, size in zip(keys, regions, sizes):
+            g = groups.get(rid)
+            if g is None:
+                lost.append(key)
+                lost_bytes += size
+            else:
+                g.append(key)
+        for key in lost:  # its region's file is gone
+            del entries[key]
+        self._value_bytes[tenant] = self.value_bytes(tenant) + sum(sizes) - lost_bytes
+        return len(keys) - len(lost)
+
+    def scan_from(self) -> Iterator[tuple[str, int, int]]:
+        """(tenant, region, offset) per region, oldest first: records at or after the
+        offset may be missing from a checkpoint taken now (writes in flight)."""
+        for r in self._regions.values():
+            yield r.tenant, r.id, min(r.pending) if r.pending else r.end
+
+    def entries(self, tenant: str) -> dict[str, int]:
+        """A copy of the tenant's packed entries (``Location.unpack`` reads one)."""
+        return dict(self._entries.get(tenant, {}))
+
+    def check(self) -> None:
+        """Assert the internal invariants (tests)."""
+        assert self.used_bytes == sum(r.end for r in self._regions.values())
+        for t, regs in self._by_tenant.items():
+            assert self.tenant_bytes(t) == sum(r.end for r in regs.values())
+        for t, entries in self._entries.items():
+            assert self.value_bytes(t) == sum(Location.unpack(p).size for p in entries.values())
+            for packed in entries.values():
+                r = self._regions[_region_of(packed)]
+                assert r.tenant == t

@@ -1,0 +1,199 @@
+"""Recovery: the index rebuilt from the last checkpoint and a scan of what came after.
+
+::
+
+    open() --clean marker?--yes--> load checkpoint ------------------------> ok
+               |                       (damaged/absent: scan every region)
+               no
+               v
+         load checkpoint --> drop entries of regions whose file is gone
+               |
+               v
+         scan each region from the checkpoint's scan_from offset (0 for a region
+         the checkpoint does not know): a header whose CRC, tenant or value checksum
+         fails is skipped a block at a time; the newest seq of a key wins --------> ok
+
+A region's ``scan_from`` is its end at the checkpoint, or the lowest offset of a write
+that was still in flight then, so a record committed after the checkpoint is always
+scanned. Region ids are never reused (an evicted region's file is deleted), so a
+checkpoint's entry can never point into a different, newer file; and every read checks
+the header's tenant, key and seq against the index and the value's checksum anyway.
+A torn record (``kill -9`` mid-write) fails its checksum: a miss. A record written after
+the checkpoint and deleted before the crash may come back (its bytes are still right).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from ems.disk.index import DiskIndex, Location
+from ems.disk.records import (
+    ALIGN,
+    HEADER_BYTES,
+    Checkpoint,
+    RecordHeader,
+    decode_checkpoint,
+    parse_header,
+    record_span,
+    round_up,
+    value_checksum,
+)
+
+__all__ = ["CHECKPOINT", "CLEAN_MARKER", "Recovered", "recover", "region_path", "scan_region",
+           "tenant_dir"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "index.ckpt"
+CLEAN_MARKER = "clean"
+_SUFFIX = ".region"
+#: bytes a scan reads per pread (records inside are parsed from memory)
+SCAN_READ_BYTES = 8 << 20
+
+
+def tenant_dir(root: str, tenant: str) -> str:
+    """The tenant's directory: ``t`` + the hex of its UTF-8 name (any name is safe)."""
+    return os.path.join(root, "t" + tenant.encode().hex())
+
+
+def region_path(root: str, tenant: str, region: int) -> str:
+    return os.path.join(tenant_dir(root, tenant), f"{region:016x}{_SUFFIX}")
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What recovery found."""
+
+    index: DiskIndex
+    next_seq: int
+    records_recovered: int
+    records_dropped_damaged: int
+    records_scanned: int
+    scan_skipped: bool
+    checkpoint_loaded: bool
+
+
+@dataclass(frozen=True)
+class _File:
+    tenant: str
+    region: int
+    size: int
+
+
+def _region_files(root: str) -> dict[int, _File]:
+    found: dict[int, _File] = {}
+    for d in os.scandir(root):
+        if not d.is_dir(follow_symlinks=False) or not d.name.startswith("t"):
+            continue
+        try:
+            tenant = bytes.fromhex(d.name[1:]).decode()
+        except ValueError:
+            continue
+        for f in os.scandir(d.path):
+            if not f.name.endswith(_SUFFIX):
+                continue
+            try:
+                rid = int(f.name[:-len(_SUFFIX)], 16)
+                size = f.stat(follow_symlinks=False).st_size
+            except (ValueError, OSError):
+                continue
+            found[rid] = _File(tenant, rid, size)
+    return found
+
+
+def _load_checkpoint(root: str) -> Optional[Checkpoint]:
+    try:
+        with open(os.path.join(root, CHECKPOINT), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    ck = decode_checkpoint(data)
+    if ck is None:
+        log.warning("disk store %s: the checkpoint is damaged; scanning every region", root)
+    return ck
+
+
+def scan_region(path: str, tenant: str, start: int,
+                damaged: list[int]) -> Iterator[tuple[RecordHeader, int]]:
+    """The valid records of ``tenant`` in the region file at ``path`` from ``start`` on:
+    (header, offset). A header that parses but whose value fails its checksum or runs
+    past the end of the file is counted in ``damaged[0]``."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        buf = b""
+        buf_at = start
+        pos = start
+        while pos + HEADER_BYTES <= size:
+            if pos + HEADER_BYTES > buf_at + len(buf):
+                buf = os.pread(fd, SCAN_READ_BYTES, pos)
+                buf_at = pos
+            view = memoryview(buf)
+            at = pos - buf_at
+            h = parse_header(view[at:at + HEADER_BYTES])
+            if h is None or h.tenant != tenant:
+                pos += ALIGN
+                continue
+            end = pos + HEADER_BYTES + h.value_len
+            if end > size:
+                damaged[0] += 1
+                pos += ALIGN
+                continue
+            if end > buf_at + len(buf):
+                buf = os.pread(fd, max(SCAN_READ_BYTES, end - pos), pos)
+                buf_at = pos
+                view = memoryview(buf)
+                at = 0
+            value = view[at + HEADER_BYTES:at + HEADER_BYTES + h.value_len]
+            if value_checksum(view[at:at + h.meaningful], value) != h.value_xxh3:
+                damaged[0] += 1
+                pos += ALIGN
+                continue
+            yield h, pos
+            pos += record_span(h.value_len)
+
+
+def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> Recovered:
+    """The index of the store in ``root`` (see the module's state machine)."""
+    ck = _load_checkpoint(root)
+    files = _region_files(root)
+    index = DiskIndex(capacity_bytes, region_bytes)
+    scan_from: dict[int, int] = {}
+    if ck is not None:
+        index.next_region = ck.next_region
+        for r in ck.regions:  # oldest (least recently used) first
+            f = files.get(r.region)
+            if f is not None and f.tenant == r.tenant:
+                index.restore_region(f.tenant, f.region, round_up(f.size))
+                scan_from[f.region] = r.scan_from
+    for rid in sorted(files):
+        if rid not in scan_from:
+            f = files[rid]
+            index.restore_region(f.tenant, rid, round_up(f.size))
+            scan_from[rid] = 0
+    next_seq = 1
+    if ck is not None:
+        next_seq = ck.next_seq
+        for t in ck.tenants:
+            index.restore_bulk(t.tenant, t.keys, t.regions, t.offsets, t.sizes, t.seqs)
+    skip = clean and ck is not None
+    damaged = [0]
+    scanned = 0
+    if not skip:
+        for rid, start in scan_from.items():
+            f = files[rid]
+            if f.size <= start:
+                continue
+            try:
+                for h, offset in scan_region(region_path(root, f.tenant, rid), f.tenant,
+                                             start, damaged):
+                    scanned += 1
+                    next_seq = max(next_seq, h.seq + 1)
+                    index.restore_entry(f.tenant, h.key,
+                                        Location(rid, offset, h.value_len, h.seq))
+            except FileNotFoundError:
+                index.drop_region(rid)
+    return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None)

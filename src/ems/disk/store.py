@@ -1,0 +1,693 @@
+"""The disk store: a synchronous, thread-safe store of values in append-only region
+files, one directory per tenant, with an index checkpointed every ``checkpoint_s``.
+
+A pure engine: no event loop, no daemon. The daemon's disk tier calls :meth:`write`,
+:meth:`read` and :meth:`checkpoint` from its worker threads (they block on the disk) and
+the index queries (:meth:`contains`, :meth:`leading`, :meth:`size_of`) from its event
+loop (they take one short lock, never do I/O).
+
+Guarantees:
+
+* ``kill -9`` at any instant never makes a read return wrong bytes: every read checks
+  the record's header (magic, tenant, key, length, sequence number equal to the index's)
+  and the XXH3-64 of header and value after the bytes landed, and says ``DAMAGED``
+  otherwise.
+* Every object on disk at the last checkpoint is found after a restart (unless evicted
+  since): a checkpoint first ``fdatasync``\\ s the regions written since the previous one,
+  then writes the index to a temporary file, ``fsync``\\ s it, renames it over the last
+  and ``fsync``\\ s the directory.
+* A damaged or truncated record is a miss (``DAMAGED``), dropped from the index and
+  counted; the store still opens.
+
+Layout (``records.py`` draws a record)::
+
+    DIR/                 0700, flock()ed by the open store
+      lock               the lock file
+      index.ckpt         the last checkpoint (columnar, checksummed)
+      clean              present only between a clean close and the next open
+      t<hex(tenant)>/    one directory per tenant: a tenant's reads open only its files
+        <region id>.region   records appended up to region_bytes, files 0600
+
+States: ``recovering`` (open() returned, the recovery thread runs) -> ``ok`` -> ``off``
+(closed, or the directory vanished / became unwritable: one error line, every call then
+returns ``OFF``/False and nothing raises).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import Callable, Optional, Sequence, Union
+
+from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
+from ems.disk.io import RegionFile, probe_direct
+from ems.disk.records import (
+    HEADER_BYTES,
+    MAX_NAME_BYTES,
+    Checkpoint,
+    CheckpointRegion,
+    CheckpointTenant,
+    encode_checkpoint,
+    encode_header,
+    parse_header,
+    record_span,
+    value_checksum,
+)
+from ems.disk.recovery import CHECKPOINT, CLEAN_MARKER, recover, region_path, tenant_dir
+from ems.disk.settings import DiskSettings
+from ems.disk.stats import DiskStatistics, LatencyWindow, TenantStatistics
+
+__all__ = ["DiskState", "DiskStore", "DiskStoreLocked", "ReadResult", "WriteResult"]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+#: errnos that mean the directory itself is gone or read-only: the store turns off
+_FATAL = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ESTALE}
+
+
+class DiskStoreLocked(RuntimeError):
+    """Another disk store (in this or another process) has the directory open."""
+
+
+class DiskState(enum.Enum):
+    RECOVERING = "recovering"
+    OK = "ok"
+    OFF = "off"
+
+
+class WriteResult(enum.Enum):
+    WRITTEN = "written"
+    EXISTS = "exists"  # the key is stored with the same size: nothing written
+    NO_SPACE = "no_space"  # the disk (or the filesystem: ENOSPC) is full of busy regions
+    QUOTA = "quota"  # the tenant's share is full of busy regions
+    BUDGET = "budget"  # the write budget per day is spent
+    IO_ERROR = "io_error"
+    TOO_LARGE = "too_large"  # larger than a region, the quota or the disk; name too long
+    OFF = "off"
+
+
+class ReadResult(enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    DAMAGED = "damaged"  # torn, damaged, truncated or stale record: dropped and counted
+    IO_ERROR = "io_error"
+    TIMEOUT = "timeout"  # the deadline passed; the buffer may hold part of the value
+    OFF = "off"
+
+
+_REFUSED = {Refusal.QUOTA: WriteResult.QUOTA, Refusal.NO_SPACE: WriteResult.NO_SPACE,
+            Refusal.TOO_LARGE: WriteResult.TOO_LARGE}
+
+
+class _Scratch(threading.local):
+    """A page-aligned header block per thread (O_DIRECT needs aligned memory)."""
+
+    def __init__(self) -> None:
+        self.block = mmap.mmap(-1, HEADER_BYTES)
+        self.view = memoryview(self.block)
+
+
+class DiskStore:
+    """See the module docstring. Construct, :meth:`open`, use, :meth:`close`."""
+
+    def __init__(self, settings: DiskSettings, *, clock: Clock = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._root = os.path.abspath(settings.path)
+        self._lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
+        self._recovered = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._state = DiskState.OFF
+        self._opened = False
+        self._index = DiskIndex(settings.capacity_bytes, settings.region_bytes)
+        self._files: dict[int, RegionFile] = {}
+        self._dirty: set[int] = set()
+        self._next_seq = 1
+        self._in_flight = 0
+        self._lock_fd = -1
+        self._dir_ino = 0
+        self._direct = False
+        self._threads: list[threading.Thread] = []
+        self._scratch = _Scratch()
+        self._tokens = 0.0
+        self._tokens_at = clock()
+        self._warned_enospc = False
+        # statistics
+        self._c: collections.Counter[str] = collections.Counter()
+        self._write_lat = LatencyWindow()
+        self._read_lat = LatencyWindow()
+        self._recovery_s = 0.0
+        self._scan_skipped = False
+        self._last_checkpoint: Optional[float] = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Create and lock the directory, then start recovery in a background thread and
+        return at once. Raises :class:`DiskStoreLocked` when another store has it; a
+        directory that cannot be created leaves the store ``off`` (one error line)."""
+        if self._opened:
+            raise RuntimeError("DiskStore.open() called twice")
+        self._opened = True
+        try:
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            os.chmod(self._root, 0o700)
+            fd = os.open(os.path.join(self._root, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC,
+                         0o600)
+        except OSError as exc:
+            self._turn_off(f"cannot open {self._root}: {exc}")
+            self._recovered.set()
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskStoreLocked(f"{self._root} is already open by another disk store "
+                                  "(one store per directory)") from None
+        self._lock_fd = fd
+        self._dir_ino = os.stat(self._root).st_ino
+        self._direct = probe_direct(self._root)
+        st = os.statvfs(self._root)
+        if self.settings.capacity_bytes > st.f_blocks * st.f_frsize:
+            log.warning("disk store %s: capacity %d bytes is larger than the filesystem "
+                        "(%d bytes); a full filesystem stops admission (ENOSPC)", self._root,
+                        self.settings.capacity_bytes, st.f_blocks * st.f_frsize)
+        if self.settings.write_budget_bytes_per_day is not None:
+            self._tokens = self._burst()
+        clean = os.path.exists(os.path.join(self._root, CLEAN_MARKER))
+        if clean:  # gone before the first new write: a crash from now on scans
+            os.unlink(os.path.join(self._root, CLEAN_MARKER))
+            self._fsync_dir(self._root)
+        self._state = DiskState.RECOVERING
+        t = threading.Thread(target=self._recover, args=(clean,), name="ems-disk-recovery",
+                             daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _recover(self, clean: bool) -> None:
+        t0 = time.monotonic()
+        try:
+            got = recover(self._root, self.settings.capacity_bytes, self.settings.region_bytes,
+                          clean)
+        except OSError as exc:
+            self._turn_off(f"recovery of {self._root} failed: {exc}")
+            self._recovered.set()
+            return
+        with self._lock:
+            if self._state is DiskState.RECOVERING:
+                self._index = got.index
+                self._next_seq = got.next_seq
+                self._c["records_recovered"] = got.records_recovered
+                self._c["records_dropped_damaged"] += got.records_dropped_damaged
+                self._c["records_scanned"] = got.records_scanned
+                self._scan_skipped = got.scan_skipped
+                self._recovery_s = time.monotonic() - t0
+                self._state = DiskState.OK
+        self._recovered.set()
+        log.info("disk store %s: %d records recovered in %.3f s (%s)", self._root,
+                 got.records_recovered, self._recovery_s,
+                 "clean shutdown, scan skipped" if got.scan_skipped else
+                 f"{got.records_scanned} records scanned")
+        if self.settings.checkpoint_s > 0 and self._state is DiskState.OK:
+            t = threading.Thread(target=self._timer, name="ems-disk-checkpoint", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _timer(self) -> None:
+        while not self._stop.wait(self.settings.checkpoint_s):
+            self.checkpoint()
+
+    def wait_recovered(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for recovery; True once it is over (or the store off)."""
+        return self._recovered.wait(max(0.0, timeout_s))
+
+    @property
+    def recovering(self) -> bool:
+        return self._state is DiskState.RECOVERING
+
+    @property
+    def state(self) -> DiskState:
+        return self._state
+
+    @property
+    def scan_skipped(self) -> bool:
+        """Whether the last recovery skipped the scan (a clean shutdown before it)."""
+        return self._scan_skipped
+
+    def close(self, clean: bool = True) -> None:
+        """Stop the checkpoint timer, wait (up to 30 s) for writes in flight, take a final
+        checkpoint and, if ``clean``, leave the marker that lets the next open skip the
+        scan. Idempotent."""
+        self._stop.set()
+        self._recovered.wait(60.0)
+        ok = self._state is DiskState.OK
+        if ok:
+            with self._lock:
+                self._state = DiskState.OFF  # no new writes or reads from now on
+                end = time.monotonic() + 30.0
+                while self._in_flight and time.monotonic() < end:
+                    self._idle.wait(end - time.monotonic())
+            ok = self._checkpoint(final=True)
+            if ok and clean:
+                try:
+                    with open(os.path.join(self._root, CLEAN_MARKER), "wb",
+                              opener=_private) as marker:
+                        os.fsync(marker.fileno())
+                    self._fsync_dir(self._root)
+                except OSError as exc:
+                    log.warning("disk store %s: no clean-shutdown marker: %s", self._root, exc)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5.0)
+        with self._lock:
+            self._state = DiskState.OFF
+            for f in self._files.values():
+                if f.users == 0:
+                    f.close()
+            self._files.clear()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def _turn_off(self, why: str) -> None:
+        with self._lock:
+            if self._state is DiskState.OFF and self._c["turned_off"]:
+                return
+            first = not self._c["turned_off"]
+            self._c["turned_off"] += 1
+            self._state = DiskState.OFF
+        self._stop.set()
+        if first:
+            log.error("disk store %s turned off: %s", self._root, why)
+
+    def _alive(self) -> bool:
+        """Whether the directory is still the one opened (removed => off)."""
+        try:
+            if os.stat(self._root).st_ino == self._dir_ino:
+                return True
+            why = "the directory was replaced"
+        except OSError as exc:
+            why = f"the directory is gone: {exc}"
+        self._turn_off(why)
+        return False
+
+    # --- queries (index only, no I/O) ------------------------------------------------
+    # While recovery runs they answer False / 0 / None: a caller that must not miss an
+    # object only because recovery has not reached it waits with wait_recovered(...)
+    # bounded by its own deadline first.
+
+    def contains(self, tenant: str, key: str, size: Optional[int] = None) -> bool:
+        """Whether the index has ``key`` (of ``size`` bytes when given)."""
+        if self._state is not DiskState.OK:
+            return False
+        with self._lock:
+            got = self._index.size_of(tenant, key)
+        return got is not None and (size is None or got == size)
+
+    def leading(self, tenant: str, keys: Sequence[str],
+                sizes: Optional[Sequence[int]] = None) -> int:
+        """How many of ``keys``, from the first, the index has (with those sizes)."""
+        if self._state is not DiskState.OK:
+            return 0
+        n = 0
+        with self._lock:
+            for i, key in enumerate(keys):
+                got = self._index.size_of(tenant, key)
+                if got is None or (sizes is not None and got != sizes[i]):
+                    break
+                n += 1
+        return n
+
+    def size_of(self, tenant: str, key: str) -> Optional[int]:
+        if self._state is not DiskState.OK:
+            return None
+        with self._lock:
+            return self._index.size_of(tenant, key)
+
+    # --- writes ----------------------------------------------------------------------
+
+    def write(self, tenant: str, key: str, value: Union[memoryview, bytes, bytearray]
+              ) -> WriteResult:
+        """Append a record holding ``value`` (blocking); the key is in the index once the
+        record is in the page cache (durable at the next checkpoint). Never raises for a
+        disk condition. Waits for recovery first (it must know the sequence numbers)."""
+        if not self._opened:
+            return WriteResult.OFF
+        self._recovered.wait()
+        t0 = self._clock()
+        view = memoryview(value)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if len(tenant.encode()) + len(key.encode()) > MAX_NAME_BYTES:
+            return self._refuse(WriteResult.TOO_LARGE)
+        if self._state is not DiskState.OK or not self._alive():
+            return WriteResult.OFF
+        span = record_span(view.nbytes)
+        with self._lock:
+            if self._state is not DiskState.OK:
+                return WriteResult.OFF
+            if self._index.size_of(tenant, key) == view.nbytes:
+                return WriteResult.EXISTS
+            if not self._take_budget(span):
+                self._c["refused_budget"] += 1
+                return WriteResult.BUDGET
+            res = self._index.reserve(tenant, span)
+            if isinstance(res, Refusal):
+                self._c["refused_" + res.value] += 1
+                return _REFUSED[res]
+            seq = self._next_seq
+            self._next_seq += 1
+            self._in_flight += 1
+            gone = self._forget_files(res.evicted)
+            failed: Optional[OSError] = None
+            try:
+                f: Optional[RegionFile] = self._file(res.region, res.tenant, create=res.fresh)
+            except OSError as exc:
+                f, failed = None, exc
+        try:
+            self._delete_files(gone)
+            if f is None:
+                assert failed is not None
+                result = self._write_failed(res, failed)
+            else:
+                result = self._write_record(f, res, key, seq, view)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._idle.notify_all()
+        if result is WriteResult.WRITTEN:
+            self._write_lat.add(self._clock() - t0)
+        return result
+
+    def _write_record(self, f: RegionFile, res: Reservation, key: str, seq: int,
+                      view: memoryview) -> WriteResult:
+        try:
+            header = encode_header(res.tenant, key, seq, view)
+            scratch = self._scratch.view
+            scratch[:] = header
+            direct = f.write([scratch, view], res.offset)
+        except OSError as exc:
+            return self._write_failed(res, exc)
+        finally:
+            self._release(f)
+        with self._lock:
+            self._index.commit(res, key, view.nbytes, seq)
+            self._dirty.add(res.region)
+            self._c["writes"] += 1
+            self._c["bytes_written"] += view.nbytes
+            self._c["direct_writes" if direct else "buffered_writes"] += 1
+        return WriteResult.WRITTEN
+
+    def _write_failed(self, res: Reservation, exc: OSError) -> WriteResult:
+        with self._lock:
+            self._index.abort(res)
+            if exc.errno == errno.ENOSPC:
+                # the filesystem is smaller than the capacity: stop growing at what is
+                # there; later writes reclaim the least recently used regions instead
+                self._index.capacity_bytes = max(0, self._index.used_bytes - res.span)
+                self._c["refused_no_space"] += 1
+                warn = not self._warned_enospc
+                self._warned_enospc = True
+            elif exc.errno in _FATAL:
+                warn = False
+            else:
+                self._c["refused_io_error"] += 1
+                log.warning("disk store %s: write failed: %s", self._root, exc)
+                return WriteResult.IO_ERROR
+        if exc.errno == errno.ENOSPC:
+            if warn:
+                log.warning("disk store %s: the filesystem is full (ENOSPC) at %d bytes; "
+                            "admission now stays within them", self._root,
+                            self._index.capacity_bytes)
+            return WriteResult.NO_SPACE
+        self._turn_off(f"write failed: {exc}")
+        return WriteResult.OFF
+
+    def _refuse(self, result: WriteResult) -> WriteResult:
+        with self._lock:
+            self._c["refused_" + result.value] += 1
+        return result
+
+    def _burst(self) -> float:
+        # an hour's share of the day's budget may be spent at once
+        budget = self.settings.write_budget_bytes_per_day or 0
+        return budget / 24.0
+
+    def _take_budget(self, span: int) -> bool:
+        budget = self.settings.write_budget_bytes_per_day
+        if budget is None:
+            return True
+        now = self._clock()
+        self._tokens = min(self._burst(), self._tokens + (now - self._tokens_at) * budget / 86400)
+        self._tokens_at = now
+        if self._tokens < span:
+            return False
+        self._tokens -= span
+        return True
+
+    def delete(self, tenant: str, key: str) -> None:
+        """Forget ``key``; its bytes go with its region."""
+        if self._state is not DiskState.OK:
+            return
+        with self._lock:
+            self._index.remove(tenant, key)
+
+    def set_quota(self, tenant: str, quota_bytes: Optional[int]) -> None:
+        """Bound ``tenant``'s disk bytes (None: only the capacity bounds them); a tenant
+        over its quota gives up its least recently used regions at its next write."""
+        with self._lock:
+            self._index.set_quota(tenant, quota_bytes)
+
+    # --- reads -----------------------------------------------------------------------
+
+    def read(self, tenant: str, key: str, into: memoryview, deadline: float) -> ReadResult:
+        """Read ``key``'s value into ``into`` (exactly its size) by ``deadline`` (on the
+        store's clock): no transfer starts after it. ``HIT`` only when the header matches
+        the index and the checksum of header and value holds."""
+        if not self._opened:
+            return ReadResult.OFF
+        if self._state is DiskState.RECOVERING:
+            if not self._recovered.wait(max(0.0, deadline - self._clock())):
+                return self._count_read(ReadResult.TIMEOUT)
+        if self._state is not DiskState.OK or not self._alive():
+            return ReadResult.OFF
+        t0 = self._clock()
+        with self._lock:
+            loc = self._index.lookup(tenant, key)
+            if loc is None:
+                self._c["misses"] += 1
+                return ReadResult.MISS
+            if into.nbytes != loc.size:
+                raise ValueError(f"read into {into.nbytes} bytes, {key!r} has {loc.size}")
+            try:
+                f = self._file(loc.region, tenant, create=False)
+            except FileNotFoundError:
+                self._forget_files((self._index.drop_region(loc.region),))
+                self._c["records_dropped_damaged"] += 1
+                return self._count_read(ReadResult.DAMAGED, locked=True)
+            except OSError:
+                return self._count_read(ReadResult.IO_ERROR, locked=True)
+            self._index.touch(loc.region)
+        result = self._read_record(f, tenant, key, loc, into, deadline)
+        if result is ReadResult.HIT:
+            self._read_lat.add(self._clock() - t0)
+        return self._count_read(result)
+
+    def _read_record(self, f: RegionFile, tenant: str, key: str, loc: Location,
+                     into: memoryview, deadline: float) -> ReadResult:
+        head = self._scratch.view
+        try:
+            got = f.read([head, into], loc.offset, deadline, self._clock)
+        except EOFError:
+            got = False
+            damaged = True
+        except OSError as exc:
+            log.debug("disk store %s: read failed: %s", self._root, exc)
+            return ReadResult.IO_ERROR
+        else:
+            damaged = False
+        finally:
+            self._release(f)
+        if got is None:
+            return ReadResult.TIMEOUT
+        if not damaged:
+            h = parse_header(head)
+            damaged = (h is None or h.tenant != tenant or h.key != key or h.seq != loc.seq
+                       or h.value_len != loc.size
+                       or value_checksum(head[:h.meaningful], into) != h.value_xxh3)
+        if damaged:
+            with self._lock:
+                if self._index.remove(tenant, key, seq=loc.seq) is not None:
+                    self._c["records_dropped_damaged"] += 1
+            return ReadResult.DAMAGED
+        with self._lock:
+            self._c["bytes_read"] += loc.size
+            self._c["direct_reads" if got else "buffered_reads"] += 1
+        return ReadResult.HIT
+
+    def _count_read(self, result: ReadResult, locked: bool = False) -> ReadResult:
+        name = {ReadResult.HIT: "hits", ReadResult.MISS: "misses"}.get(result,
+                                                                        "read_" + result.value)
+        if locked:
+            self._c[name] += 1
+        else:
+            with self._lock:
+                self._c[name] += 1
+        return result
+
+    # --- region files ----------------------------------------------------------------
+
+    def _file(self, region: int, tenant: str, *, create: bool) -> RegionFile:
+        """The region's open file, one more user (the caller holds the lock or not)."""
+        f = self._files.get(region)
+        if f is None:
+            if create:
+                os.makedirs(tenant_dir(self._root, tenant), mode=0o700, exist_ok=True)
+            f = RegionFile(region_path(self._root, tenant, region), create=create,
+                           direct=self._direct, chunk_bytes=self.settings.chunk_bytes,
+                           io_delay_s=self.settings.io_delay_s)
+            self._files[region] = f
+        f.users += 1
+        return f
+
+    def _release(self, f: RegionFile) -> None:
+        with self._lock:
+            f.users -= 1
+            if f.dead and f.users == 0:
+                f.close()
+
+    def _forget_files(self, evicted: Sequence[Optional[Evicted]]) -> list[str]:
+        """Under the lock: the evicted regions' files leave the table (closed once their
+        last user is done); returns the paths to delete."""
+        paths = []
+        for e in evicted:
+            if e is None:
+                continue
+            f = self._files.pop(e.region, None)
+            if f is not None:
+                f.dead = True
+                if f.users == 0:
+                    f.close()
+            self._dirty.discard(e.region)
+            paths.append(region_path(self._root, e.tenant, e.region))
+            self._c["regions_evicted"] += 1
+        return paths
+
+    @staticmethod
+    def _delete_files(paths: list[str]) -> None:
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def checkpoint(self) -> None:
+        """Make every object stored so far survive a crash (see the module docstring)."""
+        if self._state is DiskState.OK:
+            self._checkpoint(final=False)
+
+    def _checkpoint(self, final: bool) -> bool:
+        with self._checkpoint_lock:
+            with self._lock:
+                if not final and self._state is not DiskState.OK:
+                    return False
+                files = [self._files[r] for r in self._dirty if r in self._files]
+                for f in files:
+                    f.users += 1
+                dirty, self._dirty = self._dirty, set()
+                regions = [CheckpointRegion(t, r, at) for t, r, at in self._index.scan_from()]
+                snap = {t: self._index.entries(t) for t in self._index.tenants()}
+                next_seq = self._next_seq
+                next_region = self._index.next_region
+            try:
+                for f in files:
+                    f.fdatasync()
+            except OSError as exc:
+                with self._lock:
+                    self._dirty |= dirty
+                self._turn_off(f"checkpoint failed: {exc}")
+                return False
+            finally:
+                for f in files:
+                    self._release(f)
+            tenants = [CheckpointTenant(t, *columns(entries)) for t, entries in snap.items()]
+            data = encode_checkpoint(Checkpoint(next_seq, next_region, regions, tenants))
+            path = os.path.join(self._root, CHECKPOINT)
+            try:
+                with open(path + ".tmp", "wb", opener=_private) as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(path + ".tmp", path)
+                self._fsync_dir(self._root)
+            except OSError as exc:
+                self._turn_off(f"checkpoint failed: {exc}")
+                return False
+            with self._lock:
+                self._c["checkpoints"] += 1
+                self._last_checkpoint = self._clock()
+            return True
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- statistics ------------------------------------------------------------------
+
+    def statistics(self) -> DiskStatistics:
+        with self._lock:
+            c = self._c
+            idx = self._index
+            tenants = tuple(TenantStatistics(t, idx.objects(t), idx.value_bytes(t),
+                                             idx.tenant_bytes(t), idx.quota(t))
+                            for t in idx.tenants())
+            age = (None if self._last_checkpoint is None
+                   else self._clock() - self._last_checkpoint)
+            return DiskStatistics(
+                state=self._state.value, capacity_bytes=self.settings.capacity_bytes,
+                used_bytes=idx.used_bytes, objects=idx.objects(), regions=idx.regions(),
+                tenants=tenants, writes=c["writes"], bytes_written=c["bytes_written"],
+                reads=c["hits"] + c["misses"] + sum(c["read_" + r.value] for r in ReadResult
+                                                     if r not in (ReadResult.HIT,
+                                                                  ReadResult.MISS)),
+                hits=c["hits"], misses=c["misses"], bytes_read=c["bytes_read"],
+                read_damaged=c["read_damaged"], read_io_errors=c["read_io_error"],
+                read_timeouts=c["read_timeout"],
+                write_latency_p50_s=self._write_lat.quantile(0.5),
+                write_latency_p99_s=self._write_lat.quantile(0.99),
+                read_latency_p50_s=self._read_lat.quantile(0.5),
+                read_latency_p99_s=self._read_lat.quantile(0.99),
+                refused_no_space=c["refused_no_space"], refused_quota=c["refused_quota"],
+                refused_budget=c["refused_budget"], refused_io_error=c["refused_io_error"],
+                refused_too_large=c["refused_too_large"],
+                regions_evicted=c["regions_evicted"],
+                records_recovered=c["records_recovered"],
+                records_scanned=c["records_scanned"],
+                records_dropped_damaged=c["records_dropped_damaged"],
+                recovery_s=self._recovery_s, scan_skipped=self._scan_skipped,
+                checkpoints=c["checkpoints"], last_checkpoint_age_s=age,
+                direct_io=self._direct, direct_writes=c["direct_writes"],
+                buffered_writes=c["buffered_writes"], direct_reads=c["direct_reads"],
+                buffered_reads=c["buffered_reads"])
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
