@@ -13,7 +13,8 @@ aligned and usually 4 KiB multiples); anything else, and a filesystem that refus
 Both descriptors of a file stay coherent: the kernel writes back and invalidates the
 page cache over the range of a direct transfer.
 
-Why chunks of at most ``chunk_bytes``: a read checks its deadline between chunks, so a
+Why chunks of at most ``chunk_bytes`` (of the value; the header block rides along with
+the first): a read checks its deadline between chunks, so a
 slow disk costs a caller at most one chunk's time past its deadline, and no byte lands
 in the caller's buffer from a transfer started after it.
 """
@@ -130,11 +131,17 @@ class RegionFile:
         direct = self.direct_fd >= 0 and _aligned(views, offset)
         fd = self.direct_fd if direct else self.fd
         pending = [v.cast("B") if v.format != "B" else v for v in views if v.nbytes]
+        first = True
         while pending:
             if deadline is not None and clock() >= deadline:
                 raise TimeoutError
             chunk: list[memoryview] = []
-            room = self.chunk_bytes
+            # the header block rides with the first chunk of the value: a 1 MiB value is
+            # one call, not a 1 MiB call and a 4 KiB one (which cost a V0 write or read
+            # a second I/O's latency)
+            room = self.chunk_bytes + (pending[0].nbytes if first and len(pending) > 1
+                                       and pending[0].nbytes <= ALIGN else 0)
+            first = False
             while pending and room:
                 v = pending[0]
                 take = min(room, v.nbytes)

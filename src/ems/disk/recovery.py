@@ -18,8 +18,11 @@ that was still in flight then, so a record committed after the checkpoint is alw
 scanned. Region ids are never reused (an evicted region's file is deleted), so a
 checkpoint's entry can never point into a different, newer file; and every read checks
 the header's tenant, key and seq against the index and the value's checksum anyway.
-A torn record (``kill -9`` mid-write) fails its checksum: a miss. A record written after
-the checkpoint and deleted before the crash may come back (its bytes are still right).
+A torn record (``kill -9`` mid-write) fails its checksum: a miss. What a crash can undo
+is only what the last checkpoint did not see: a record written after it and deleted
+before the crash may come back, and a key rewritten after it whose new record's region
+was evicted before the crash comes back with its earlier record (bytes that were stored
+under that key and pass their checksum; ems keys name their content).
 """
 
 from __future__ import annotations

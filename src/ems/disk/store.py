@@ -176,6 +176,21 @@ class DiskStore:
             raise DiskStoreLocked(f"{self._root} is already open by another disk store "
                                   "(one store per directory)") from None
         self._lock_fd = fd
+        try:
+            clean = self._prepare()
+        except OSError as exc:
+            self._turn_off(f"cannot use {self._root}: {exc}")
+            self._recovered.set()
+            return
+        self._state = DiskState.RECOVERING
+        t = threading.Thread(target=self._recover, args=(clean,), name="ems-disk-recovery",
+                             daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _prepare(self) -> bool:
+        """Probe the directory (O_DIRECT, size) and take away the clean-shutdown marker
+        (before the first new write: a crash from now on scans); True if it was there."""
         self._dir_ino = os.stat(self._root).st_ino
         self._direct = probe_direct(self._root)
         st = os.statvfs(self._root)
@@ -186,14 +201,10 @@ class DiskStore:
         if self.settings.write_budget_bytes_per_day is not None:
             self._tokens = self._burst()
         clean = os.path.exists(os.path.join(self._root, CLEAN_MARKER))
-        if clean:  # gone before the first new write: a crash from now on scans
+        if clean:
             os.unlink(os.path.join(self._root, CLEAN_MARKER))
             self._fsync_dir(self._root)
-        self._state = DiskState.RECOVERING
-        t = threading.Thread(target=self._recover, args=(clean,), name="ems-disk-recovery",
-                             daemon=True)
-        self._threads.append(t)
-        t.start()
+        return clean
 
     def _recover(self, clean: bool) -> None:
         t0 = time.monotonic()
