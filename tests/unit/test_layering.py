@@ -7,6 +7,7 @@ instead of waiting for a reviewer):
 * of the client, only the embedded transport imports ``pool`` (it runs the pool core
   in-process); the daemon's client shares only ``protocol`` with the daemon;
 * ``cluster`` imports neither ``client`` nor ``server``;
+* ``disk`` (the disk store engine) imports nothing of ours but ``errors``;
 * no core module imports the top-level ``ems`` package (its public names): ``bench``,
   ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
   users and may;
@@ -28,7 +29,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ems"
 CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server",
-        "cluster")
+        "cluster", "disk")
 
 
 def _modules():
@@ -72,6 +73,8 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: only the embedded pool runs the core")
             if area == "server" and to == "client":
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
+            if area == "disk" and to not in ("disk", "errors"):
+                bad.append(f"{module} imports {target}: the disk store is a pure engine")
             if area == "cluster" and to in ("client", "server"):
                 bad.append(f"{module} imports {target}: the cluster parts are pure")
             if area in CORE and target == "ems":

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import heapq
 import logging
 import threading
 import time
@@ -114,9 +115,11 @@ class DiskTier(Tier):
                                            thread_name_prefix="ems-disk-write")
         self._memory = SegmentMaps()
         self._fetches = FetchBook(FETCH_OWNER)
+        self._timers = _Timers()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._queued_bytes = 0
         self._inflight_bytes = 0
+        self._inflight_per_tenant: dict[str, int] = {}
         self._quota_set: set[str] = set()
         self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._warned_at: dict[str, float] = {}
@@ -202,41 +205,57 @@ class DiskTier(Tier):
                                   lambda fetch: self._read(fetch, deadline))
 
     def _read(self, fetch: Fetch, deadline: float) -> None:
-        """Read each key of ``fetch`` on its own worker (a load's blocks in parallel);
-        the fetch finishes on the loop once the last read returned."""
+        """Read each key of ``fetch`` on its own worker (a load's blocks in parallel).
+
+        The fetch finishes on the loop when the last read returned or at ``deadline``,
+        whichever comes first: a read still running then (a disk slower than the
+        deadline: one I/O cannot be interrupted) keeps its reservation until it
+        returns, and is then aborted; the request is answered by its deadline without
+        it, and its bytes never become visible."""
         tenant, store = fetch.tenant, self.store
         reserved = fetch.reserved
-        results: list[ReadResult] = [ReadResult.MISS] * len(reserved)
-        left = [len(reserved)]
+        results: list[Optional[ReadResult]] = [None] * len(reserved)
+        state = {"left": len(reserved), "finished": False}
         lock = threading.Lock()
 
-        def finished() -> None:
-            ok = [r is ReadResult.HIT for r in results]
+        def finish() -> None:  # on the loop: the last read returned, or the deadline
+            with lock:
+                if state["finished"]:
+                    return
+                state["finished"] = True
+                now = list(results)
+            late = [i for i, r in enumerate(now) if r is None]
+            ok = [r is ReadResult.HIT for r in now]
             hits = sum(ok)
             self._count(tenant, lookups=len(ok), hits=hits, misses=len(ok) - hits,
                         bytes_in=sum(r.grant.size for r, good in zip(reserved, ok) if good),
-                        read_timeouts=results.count(ReadResult.TIMEOUT),
-                        read_damaged=results.count(ReadResult.DAMAGED),
-                        read_io_errors=results.count(ReadResult.IO_ERROR))
-            self._fetches.finish(fetch, ok)
+                        read_timeouts=len(late) + now.count(ReadResult.TIMEOUT),
+                        read_damaged=now.count(ReadResult.DAMAGED),
+                        read_io_errors=now.count(ReadResult.IO_ERROR))
+            self._fetches.finish(fetch, ok, late)
 
         def one(i: int) -> None:
             r = reserved[i]
             try:
                 view = self._memory.view(tenant, r.grant.offset, r.grant.size)
                 try:
-                    results[i] = store.read(tenant.name, r.key, view, deadline)
+                    result = store.read(tenant.name, r.key, view, deadline)
                 finally:
                     view.release()
             except Exception:  # noqa: BLE001 - a bug is a miss, never a stuck request
                 logger.exception("ems disk: a read failed")
-                results[i] = ReadResult.IO_ERROR
+                result = ReadResult.IO_ERROR
             with lock:
-                left[0] -= 1
-                last = left[0] == 0
+                if state["finished"]:  # answered without it: give its space back
+                    self._loop.call_soon(lambda: self._fetches.abort_late(fetch, i))
+                    return
+                results[i] = result
+                state["left"] -= 1
+                last = state["left"] == 0
             if last:
-                self._loop.call_soon(finished)
+                self._loop.call_soon(finish)
 
+        self._timers.at(deadline, lambda: self._loop.call_soon(finish))
         for i in range(len(reserved)):
             self._readers.submit(one, i)
 
@@ -286,11 +305,22 @@ class DiskTier(Tier):
         return False
 
     def _pump(self) -> None:
-        """Start queued writes while the bytes in flight allow (on the loop)."""
+        """Start queued writes while the bytes in flight allow (on the loop).
+
+        A value being written is pinned in shared memory, where it cannot be evicted:
+        a quarter of a tenant's pool at most is pinned so (and ``disk.inflight`` in
+        all), so a disk slower than the saves never makes shared memory refuse them.
+        """
         queue, limit = self._queue, self.config.inflight_bytes
-        while queue and (self._inflight_bytes == 0 or
-                         self._inflight_bytes + queue[0].size <= limit):
-            p = queue.popleft()
+        per_tenant = self._inflight_per_tenant
+        while queue:
+            p = queue[0]
+            mine = per_tenant.get(p.tenant.name, 0)
+            if self._inflight_bytes and (
+                    self._inflight_bytes + p.size > limit or
+                    mine and mine + p.size > p.tenant.pool.capacity_bytes // 4):
+                break
+            queue.popleft()
             self._queued_bytes -= p.size
             if self.store.contains(p.tenant.name, p.key, p.size):
                 continue
@@ -299,6 +329,7 @@ class DiskTier(Tier):
                 self._count(p.tenant, evicted_before_write=1)
                 continue
             self._inflight_bytes += p.size
+            per_tenant[p.tenant.name] = mine + p.size
             self._writers.submit(self._write, p, pins[0])
 
     def _write(self, p: _Pending, pin: Pin) -> None:
@@ -317,6 +348,7 @@ class DiskTier(Tier):
     def _written(self, p: _Pending, pin: Pin, result: WriteResult) -> None:
         p.tenant.pool.release([pin.token], WRITE_OWNER)
         self._inflight_bytes -= p.size
+        self._inflight_per_tenant[p.tenant.name] -= p.size
         if result is WriteResult.WRITTEN or result is WriteResult.EXISTS:
             self._count(p.tenant, writes=1, bytes_out=p.size)
         else:
@@ -379,6 +411,7 @@ class DiskTier(Tier):
             self._flush(time.monotonic() + self.config.flush_on_stop_s)
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True)
+        self._timers.close()
         self.store.close(clean=True)
         self._memory.close()
 
@@ -425,6 +458,42 @@ class DiskTier(Tier):
         self._writers.shutdown(wait=True, cancel_futures=True)
         for p, pin in zip(jobs, pins):
             p.tenant.pool.release([pin.token], WRITE_OWNER)
+
+
+class _Timers:
+    """One thread that runs callbacks at their times (a load's deadline), in order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ems-disk-timers", daemon=True)
+        self._thread.start()
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (when, self._seq, fn))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or
+                                            self._heap[0][0] > time.monotonic()):
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            fn()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(5.0)
 
 
 def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]]

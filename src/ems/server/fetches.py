@@ -95,16 +95,26 @@ class FetchBook:
             start(own)
         return True
 
-    def finish(self, fetch: Fetch, ok: Sequence[bool]) -> None:
-        """``fetch`` is over: ``ok[i]`` says whether its i-th key's bytes are whole."""
+    def finish(self, fetch: Fetch, ok: Sequence[bool], late: Sequence[int] = ()) -> None:
+        """``fetch`` is over: ``ok[i]`` says whether its i-th key's bytes are whole.
+
+        ``late``: keys whose transfer is still running at the deadline. Their space
+        stays reserved (bytes may still land in it) until :meth:`abort_late` once the
+        transfer returned; the requests waiting are answered now, without them."""
         pool, tid = fetch.tenant.pool, fetch.tenant.segment_id
         ok = list(ok) + [False] * (len(fetch.reserved) - len(ok))
+        running = set(late)
         pool.commit([r.grant.token for r, good in zip(fetch.reserved, ok) if good], self.owner)
-        pool.abort([r.grant.token for r, good in zip(fetch.reserved, ok) if not good],
-                   self.owner)
+        pool.abort([r.grant.token for i, (r, good) in enumerate(zip(fetch.reserved, ok))
+                    if not good and i not in running], self.owner)
         for r in fetch.reserved:
             self._inflight.pop((tid, r.key), None)
         for waiting in fetch.waiters:
             waiting.pending -= 1
             if waiting.pending == 0:
                 waiting.done()
+
+    def abort_late(self, fetch: Fetch, index: int) -> None:
+        """The transfer of a key that :meth:`finish` left running has returned: free its
+        space (its bytes were never shown to anyone)."""
+        fetch.tenant.pool.abort([fetch.reserved[index].grant.token], self.owner)
