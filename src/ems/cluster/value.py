@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - the cluster extra installs it
 def available() -> Optional[str]:
     """None when the checksum is available, else what to install."""
     return None if _xxh3 is not None else "the cluster tier needs the xxhash package " \
-                                          "(pip install 'ems[cluster]')"
+                                          "(pip install 'ems-kvpool[cluster]')"
 
 
 def digest(data) -> int:

@@ -62,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         service = Service(config)
     except ImportError as exc:
         print(f"ems-control: {exc.name} is missing; install the control extra "
-              f"(pip install 'ems[control]')", file=sys.stderr)
+              f"(pip install 'ems-kvpool[control]')", file=sys.stderr)
         return 2
     except EmsException as exc:
         print(f"ems-control: bad configuration: {exc.message()}", file=sys.stderr)
