@@ -64,7 +64,7 @@ def test_control_service_settings(tmp_path):
 @pytest.mark.integration
 def test_tokens_from_the_environment(tmp_path, monkeypatch):
     from ems.control.client import http_json
-    from ems.control.process import run_control
+    from ems.testing.control import run_control
     monkeypatch.setenv("EMS_CONTROL_ADMIN_TOKEN", "admin-token-from-env-0123")
     monkeypatch.setenv("EMS_CONTROL_DAEMON_TOKEN", "daemon-token-from-env-0123")
     with run_control(str(tmp_path)) as control:
@@ -78,7 +78,7 @@ def test_tokens_from_the_environment(tmp_path, monkeypatch):
 
 @pytest.mark.integration
 def test_a_daemon_started_before_its_control_plane_serves_when_it_comes(tmp_path, daemons):
-    from ems.control.process import ControlProcess
+    from ems.testing.control import ControlProcess
     cdir = tmp_path / "control"
     cdir.mkdir()
     control = ControlProcess(str(cdir))
