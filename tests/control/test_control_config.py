@@ -3,6 +3,9 @@ daemon started before its control plane serves once the control plane is up."""
 
 from __future__ import annotations
 
+import signal
+import sqlite3
+
 import pytest
 from control_support import wait_for
 
@@ -116,3 +119,26 @@ def test_an_unreadable_daemon_token_file_stops_the_daemon(tmp_path):
         with pytest.raises(RuntimeError, match="exited with 2"):
             server.start()
         assert "chmod 600" in server.log()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_ems_control_stops_with_status_0_on_a_stop_signal(tmp_path, signum):
+    """The documented exit status: 0 after SIGTERM or SIGINT, with its cleanup run
+    (uvicorn re-raises the signal after its graceful shutdown; under the default
+    handler that was -15, and the "stopped" line never came)."""
+    from ems.testing.control import ControlProcess
+    control = ControlProcess(str(tmp_path)).start()
+    try:
+        assert control.call("GET", "/v1/tenants")[0] == 200
+        assert control.signal(signum) == 0, control.log()
+    finally:
+        control.stop()
+    assert f"ems-control stopped ({signum.name})" in control.log()
+    db = sqlite3.connect(tmp_path / "control.db")  # closed cleanly: WAL checkpointed
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    finally:
+        db.close()
+    assert not (tmp_path / "control.db-wal").exists() or \
+        (tmp_path / "control.db-wal").stat().st_size == 0
