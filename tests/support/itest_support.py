@@ -1,4 +1,4 @@
-"""Helpers shared by the integration tests (importable: the test dir is on sys.path)."""
+"""Helpers shared by the integration, fault, control and cluster tests."""
 
 from __future__ import annotations
 
@@ -53,12 +53,11 @@ def transport_save(transport, keys: list, size: int, timeout_ms: int = 5000) -> 
     many are stored."""
     import ctypes
 
-    from client_worker import pattern
-
     from ems import CcKvOption
     from ems.client.movers import V0Mover
     from ems.futures import Task
     from ems.keys import Request
+    from support.client_worker import pattern
 
     bufs = [ctypes.create_string_buffer(pattern(k, size), size) for k in keys]
     mover = V0Mover([[(ctypes.addressof(b), size)] for b in bufs])
