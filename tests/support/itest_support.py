@@ -5,21 +5,17 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+from ems.testing.leaks import check_server
+
 KEY_A = "A" * 40
 KEY_B = "B" * 40
 
 
 def assert_idle(server, timeout_s: float = 5.0) -> dict:
-    """Wait until no tenant of ``server`` holds pins or reservations; the last report."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        report = server.stats()
-        busy = {n: (t["pinned"], t["reserved"]) for n, t in report["tenants"].items()
-                if t["pinned"] or t["reserved"]}
-        if not busy:
-            return report
-        assert time.monotonic() < deadline, f"ems-server still holds (pins, reservations): {busy}"
-        time.sleep(0.02)
+    """Wait until ``server`` holds nothing a finished request took (pins, reservations,
+    leases without their connection, write-behind): ``ems.testing.leaks.check_server``;
+    the last report."""
+    return check_server(server, timeout_s)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
