@@ -10,6 +10,9 @@ instead of waiting for a reviewer):
 * no core module imports the top-level ``ems`` package (its public names): ``bench``,
   ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
   users and may;
+* no core module imports ``testing`` (test kits live there, not in the product);
+* of the demo, ``hosts`` and ``runner`` share their passes through ``passes`` and do
+  not import each other's internals (``runner`` starts ``hosts`` by its entry point);
 * the daemon does not load the SDK (``import ems.server.daemon`` leaves
   ``ems.client`` unimported, and ``import ems`` is lazy).
 """
@@ -71,6 +74,14 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
             if area == "cluster" and to in ("client", "server"):
                 bad.append(f"{module} imports {target}: the cluster parts are pure")
+            if area in CORE and to == "testing":
+                bad.append(f"{module} imports {target}: test kits are not part of the product")
+            if module == "ems.demo.hosts" and (target == "ems.demo.runner" or (
+                    target == "ems.demo" and "runner" in names)):
+                bad.append(f"{module} imports {target}: the shared passes are ems.demo.passes")
+            if module == "ems.demo.runner" and target == "ems.demo.hosts" and \
+                    names != ["run_hosts"]:
+                bad.append(f"{module} imports {target} beyond its entry point run_hosts")
             if area in CORE and target == "ems":
                 public = [n for n in names if not n.startswith("_")]
                 if public or not names:
