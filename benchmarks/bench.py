@@ -3,7 +3,8 @@
 
     bash benchmarks/setup-peers.sh
     python benchmarks/bench.py --quick
-    python benchmarks/bench.py --out docs      # the README's table, plot and JSON
+    python benchmarks/bench.py --out docs      # docs/bench.json and bench.png, then
+    python scripts/bench_tables.py             # the tables of docs/benchmarks.md
 """
 
 import sys

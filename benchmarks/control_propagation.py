@@ -25,9 +25,9 @@ import tempfile
 import time
 
 from ems.client.remote import RemoteTransport
-from ems.control.process import run_control
 from ems.errors import EmsException
 from ems.testing import run_server
+from ems.testing.control import run_control
 
 
 def _accepts(server, access_id: str, key: str) -> bool:

@@ -11,6 +11,12 @@ PY="${PYTHON:-python3}"
 extras=""
 if [ "${1:-}" = "test" ]; then extras="[test,control,cluster]"; fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Until 0.1.0 this project was installed under the distribution name `ems` (taken on
+# the package index by an unrelated project); an editable install of it left under
+# that name would import its own tree instead of this one. Only ours is removed.
+if "$PY" -m pip show ems 2>/dev/null | grep -q "^Summary: An open, Python KV-cache memory pool"; then
+  "$PY" -m pip uninstall -q -y ems 2>&1 | grep -v "Running pip as the 'root' user" || true
+fi
 "$PY" -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "setup: torch not found, installing the CPU build torch==2.13.0" >&2

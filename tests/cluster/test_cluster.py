@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from cluster_support import Host, load, opt, save, wait_until
+from support.cluster_support import Host, load, opt, save, wait_until
 
 from ems import PrimaryKey
 from ems.cluster import launcher

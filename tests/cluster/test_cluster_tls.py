@@ -19,7 +19,7 @@ import shutil
 import time
 
 import pytest
-from cluster_support import load, opt, save
+from support.cluster_support import load, opt, save
 
 from ems import EmsErrorCode, EmsException
 from ems.cluster import launcher

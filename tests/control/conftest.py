@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
-import sys
 from typing import Any, Optional
 
 import pytest
 
-# the integration tests' helpers (transport_save / transport_load through the verbs)
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "integration"))
-
-from ems.control.process import run_control
 from ems.testing import run_server
+from ems.testing.control import run_control
 
 #: the registry poll of the daemons in these tests (the default is 1.0 s)
 POLL_S = "0.5"

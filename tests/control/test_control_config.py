@@ -3,8 +3,11 @@ daemon started before its control plane serves once the control plane is up."""
 
 from __future__ import annotations
 
+import signal
+import sqlite3
+
 import pytest
-from control_support import wait_for
+from support.control_support import wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.control.config import ControlConfig
@@ -64,7 +67,7 @@ def test_control_service_settings(tmp_path):
 @pytest.mark.integration
 def test_tokens_from_the_environment(tmp_path, monkeypatch):
     from ems.control.client import http_json
-    from ems.control.process import run_control
+    from ems.testing.control import run_control
     monkeypatch.setenv("EMS_CONTROL_ADMIN_TOKEN", "admin-token-from-env-0123")
     monkeypatch.setenv("EMS_CONTROL_DAEMON_TOKEN", "daemon-token-from-env-0123")
     with run_control(str(tmp_path)) as control:
@@ -78,7 +81,7 @@ def test_tokens_from_the_environment(tmp_path, monkeypatch):
 
 @pytest.mark.integration
 def test_a_daemon_started_before_its_control_plane_serves_when_it_comes(tmp_path, daemons):
-    from ems.control.process import ControlProcess
+    from ems.testing.control import ControlProcess
     cdir = tmp_path / "control"
     cdir.mkdir()
     control = ControlProcess(str(cdir))
@@ -116,3 +119,26 @@ def test_an_unreadable_daemon_token_file_stops_the_daemon(tmp_path):
         with pytest.raises(RuntimeError, match="exited with 2"):
             server.start()
         assert "chmod 600" in server.log()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_ems_control_stops_with_status_0_on_a_stop_signal(tmp_path, signum):
+    """The documented exit status: 0 after SIGTERM or SIGINT, with its cleanup run
+    (uvicorn re-raises the signal after its graceful shutdown; under the default
+    handler that was -15, and the "stopped" line never came)."""
+    from ems.testing.control import ControlProcess
+    control = ControlProcess(str(tmp_path)).start()
+    try:
+        assert control.call("GET", "/v1/tenants")[0] == 200
+        assert control.signal(signum) == 0, control.log()
+    finally:
+        control.stop()
+    assert f"ems-control stopped ({signum.name})" in control.log()
+    db = sqlite3.connect(tmp_path / "control.db")  # closed cleanly: WAL checkpointed
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    finally:
+        db.close()
+    assert not (tmp_path / "control.db-wal").exists() or \
+        (tmp_path / "control.db-wal").stat().st_size == 0

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from control_support import wait_for
-from itest_support import transport_load, transport_save
+from support.control_support import wait_for
+from support.itest_support import transport_load, transport_save
 
 from ems.client.remote import RemoteTransport
 from ems.errors import EmsErrorCode, EmsException

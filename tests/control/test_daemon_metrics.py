@@ -6,9 +6,9 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from control_support import connect_when_registered, free_port
-from itest_support import transport_load, transport_save
 from prometheus_client.parser import text_string_to_metric_families
+from support.control_support import connect_when_registered, free_port
+from support.itest_support import transport_load, transport_save
 
 from ems.client.remote import RemoteTransport
 from ems.errors import EmsException

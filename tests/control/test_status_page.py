@@ -12,8 +12,8 @@ import signal
 import subprocess
 
 import pytest
-from control_support import connect_when_registered, wait_for
-from itest_support import transport_load, transport_save
+from support.control_support import connect_when_registered, wait_for
+from support.itest_support import transport_load, transport_save
 
 from ems.keys import v0_storage_keys as storage
 

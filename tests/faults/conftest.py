@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "integration"))
-
-from itest_fixtures import *  # noqa: E402,F401,F403 - the integration fixtures
+from support.itest_fixtures import *  # noqa: E402,F401,F403 - the integration fixtures
 
 FIGURES: dict[str, dict] = {}
 

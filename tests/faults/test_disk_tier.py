@@ -14,8 +14,8 @@ import subprocess
 import time
 
 import pytest
-from client_worker import Value, pattern
-from itest_support import KEY_A, KEY_B, wait_for
+from support.client_worker import Value, pattern
+from support.itest_support import KEY_A, KEY_B, wait_for
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 

@@ -7,10 +7,10 @@ import os
 import socket
 
 import pytest
-from client_worker import Value, pattern
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from itest_support import assert_idle
+from support.client_worker import Value, pattern
+from support.itest_support import assert_idle
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.protocol import PROTOCOL_VERSION, FrameDecoder, encode

@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
-from client_worker import Value, pattern
 from hostile import RawClient, cpu_s, pool_mappings, rss_bytes
-from itest_support import anonymous_stats
+from support.client_worker import Value, pattern
+from support.itest_support import anonymous_stats
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client.remote import RemoteTransport

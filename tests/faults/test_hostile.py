@@ -9,7 +9,7 @@ import time
 
 import pytest
 from hostile import RawClient, fds, rss_bytes
-from itest_support import anonymous_stats, anonymous_stats_when
+from support.itest_support import anonymous_stats, anonymous_stats_when
 
 from ems.client.remote import RemoteTransport
 from ems.protocol import HEADER, PROTOCOL_VERSION, encode

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Optional
 
 import pytest
-from itest_support import transport_load, transport_save
+from support.itest_support import transport_load, transport_save
 
 from ems import CcKvOption, EmsErrorCode, EmsException
 from ems.client.movers import V0Mover

@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
-from client_worker import Value, pattern
 from hostile import RawClient
-from itest_support import anonymous_stats, anonymous_stats_when, wait_for
+from support.client_worker import Value, pattern
+from support.itest_support import anonymous_stats, anonymous_stats_when, wait_for
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client import copy as _copy

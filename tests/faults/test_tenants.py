@@ -7,8 +7,8 @@ import os
 import warnings
 
 import pytest
-from client_worker import Value, pattern
-from itest_support import KEY_A, KEY_B, transport_load, transport_save
+from support.client_worker import Value, pattern
+from support.itest_support import KEY_A, KEY_B, transport_load, transport_save
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client.remote import RemoteTransport

@@ -1,3 +1,3 @@
 """Integration fixtures (defined in ``itest_fixtures``, shared with ``tests/faults``)."""
 
-from itest_fixtures import *  # noqa: F401,F403 - pytest collects the fixtures from here
+from support.itest_fixtures import *  # noqa: F401,F403 - pytest collects the fixtures from here

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from itest_support import KEY_A
+from support.itest_support import KEY_A
 
 from ems import (
     CcConfig_v1,

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-from client_worker import Value, pattern
-from itest_support import anonymous_stats_when, wait_for
+from support.client_worker import Value, pattern
+from support.itest_support import anonymous_stats_when, wait_for
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.testing import run_server

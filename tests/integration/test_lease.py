@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from client_worker import Value, pattern
-from itest_support import anonymous_stats, anonymous_stats_when, wait_for
+from support.client_worker import Value, pattern
+from support.itest_support import anonymous_stats, anonymous_stats_when, wait_for
 
 from ems import CcKvOption, Ems, EmsErrorCode, EmsException
 from ems.client import copy as _copy

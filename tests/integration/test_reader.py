@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from client_worker import pattern
-from itest_support import anonymous_stats, transport_load, transport_save, wait_for
+from support.client_worker import pattern
+from support.itest_support import anonymous_stats, transport_load, transport_save, wait_for
 
 from ems.client.remote import RemoteTransport
 from ems.client.session import Timeout

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from client_worker import Value, pattern
+from support.client_worker import Value, pattern
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 

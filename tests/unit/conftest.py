@@ -8,11 +8,10 @@ own). A test that needs another capacity or worker count sets ``EMS_CAPACITY`` /
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
+from ems.testing.leaks import check_embedded
 
 _ENV_CLEARED = ("EMS_SOCKET_DIR", "EMS_WORKERS", "EMS_CONNECT_TIMEOUT_MS",
                 "access_id", "access_key")
@@ -27,21 +26,16 @@ def _unit_env(monkeypatch):
 
 
 def wait_idle(cc, timeout_s: float = 5.0) -> None:
-    """Pins and reservations are given back just after a request is answered:
-    wait for that, and fail if something leaked."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = cc.statistics()
-        if stats.pinned == 0 and stats.reserved == 0:
-            assert stats.used_bytes <= stats.capacity_bytes
-            return
-        assert time.monotonic() < deadline, f"leaked pins/reservations: {stats}"
-        time.sleep(0.01)
+    """Pins and reservations are given back just after a request is answered: wait
+    for that, and fail if something leaked (pins, reservations, leases) or the
+    allocator's own ``check()`` fails (``ems.testing.leaks.check_embedded``)."""
+    check_embedded(cc, timeout_s)
 
 
 @pytest.fixture
 def idle():
-    """``idle(cc)``: wait until ``cc`` holds no pins or reservations (see wait_idle)."""
+    """``idle(cc)``: wait until ``cc`` holds nothing a finished request took (see
+    wait_idle)."""
     return wait_idle
 
 

@@ -15,7 +15,8 @@ from ems import Ems  # noqa: E402
 from ems.demo.connector import EmsConnector  # noqa: E402
 from ems.demo.engine import Engine, Workload, make_workload  # noqa: E402
 from ems.demo.model import LlamaModel, ModelConfig  # noqa: E402
-from ems.demo.runner import compare, main  # noqa: E402
+from ems.demo.passes import compare  # noqa: E402
+from ems.demo.runner import main  # noqa: E402
 from ems.demo.scheduler import (  # noqa: E402
     BlockAllocator,
     NoFreeBlocks,

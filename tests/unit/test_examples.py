@@ -18,6 +18,11 @@ TENANT_KEY = "c2VjcmV0LWtleS1mb3ItZXhhbXBsZXMtMDEyMzQ1Njc4OQ=="
 
 # (run id, script, extra env, lines the output must contain (line: count))
 RUNS = {
+    "quickstart": ("quickstart.py", {}, {
+        "saved: CcResult(success=2, total=2)": 1,
+        "loaded: CcResult(success=2, total=2)": 1,
+        "bytes equal: True": 1,
+    }),
     "v0_sync_save_load": ("v0_sync_save_load.py", {}, {
         "CcResult(success=1, total=1)": 2,
         "loaded tensor equals saved tensor: True": 1,

@@ -41,7 +41,7 @@ class ClusterHosts:
             launcher.server_binary()
             import xxhash  # noqa: F401
         except Exception as exc:  # noqa: BLE001 - reported as the reason
-            raise Unavailable(f"needs the cluster extra (pip install 'ems[cluster]'): "
+            raise Unavailable(f"needs the cluster extra (pip install 'ems-kvpool[cluster]'): "
                               f"{exc}") from None
         per_node = max(64 << 20, capacity_bytes // 3 * 2)
         self.cluster = launcher.up(os.path.join(work_dir, "valkey"), nodes=3,

@@ -30,7 +30,6 @@ import traceback
 from typing import Any, Optional, Sequence
 
 from ems.bench import procs
-from ems.bench.progress import Progress
 from ems.bench.report import table, to_json, write_json
 from ems.bench.systems import (
     EmsDaemon,
@@ -45,6 +44,7 @@ from ems.bench.systems import (
     lmcache_unavailable_reason,
 )
 from ems.bench.workloads import WORKLOADS, Context, Params, max_batch_bytes, run, steps
+from ems.progress import Progress
 
 __all__ = ["main", "SYSTEMS", "PEERS"]
 

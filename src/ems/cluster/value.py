@@ -18,7 +18,7 @@ Why XXH3-64 (measured on this host, 4 MiB buffers, one thread): memcpy 19.7 GB/s
 XXH3-64 60 GB/s, CRC32C 27 GB/s, zlib.crc32 4.2 GB/s, adler32 3.1 GB/s, BLAKE2b 0.94
 GB/s. Verifying costs what it adds to the read: with zlib.crc32 a 3 GB/s socket read
 drops to ~1.75 GB/s, with XXH3 to ~2.85 GB/s. It is not a MAC: it catches corruption
-and truncation, not an attacker with write access to the cluster (the README's cluster section,
+and truncation, not an attacker with write access to the cluster (docs/tiers/cluster.md,
 security). Every host must use the same format; the version field says which.
 """
 
@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - the cluster extra installs it
 def available() -> Optional[str]:
     """None when the checksum is available, else what to install."""
     return None if _xxh3 is not None else "the cluster tier needs the xxhash package " \
-                                          "(pip install 'ems[cluster]')"
+                                          "(pip install 'ems-kvpool[cluster]')"
 
 
 def digest(data) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Optional, Sequence
@@ -62,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         service = Service(config)
     except ImportError as exc:
         print(f"ems-control: {exc.name} is missing; install the control extra "
-              f"(pip install 'ems[control]')", file=sys.stderr)
+              f"(pip install 'ems-kvpool[control]')", file=sys.stderr)
         return 2
     except EmsException as exc:
         print(f"ems-control: bad configuration: {exc.message()}", file=sys.stderr)
@@ -83,12 +84,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 config.host, port, config.file("control.db"), os.getpid())
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning",
                                            access_log=False, lifespan="off"))
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then restores the handlers it
+    # found and raises the signal again. With the default handlers that kills the
+    # process (exit -15) or raises KeyboardInterrupt before the cleanup below runs. The
+    # handlers it finds are these: they note the signal (and stop a server that has not
+    # installed its own yet), and a stop signal is the documented way to stop, so the
+    # cleanup runs and the exit status is 0.
+    stopped_by: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopped_by.append(signum)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
         service.db.close()
-    logger.info("ems-control stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("ems-control stopped%s",
+                f" ({signal.Signals(stopped_by[0]).name})" if stopped_by else "")
     return 0
 
 

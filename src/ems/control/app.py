@@ -11,7 +11,7 @@ Both tokens are bearer tokens (``Authorization: Bearer ...``), compared with
 ``hmac.compare_digest``; a missing or wrong one is answered 401 before any database
 work. A key's secret appears in exactly one answer: the one that issued it (issue or
 rotate); listings show key ids only. Access ids follow the SDK's own rule
-(``ems.config.validate_ems_config``), and may hold ``/``: paths take them as the
+(``ems.config.validate_access_id``), and may hold ``/``: paths take them as the
 rest of the path (``{access_id:path}``), so ``/v1/tenants/a/b/keys`` is the keys of
 tenant ``a/b``.
 """
@@ -31,7 +31,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from ems.config import EmsConfig, parse_bytes, validate_ems_config
+from ems.config import parse_bytes, validate_access_id
 from ems.control.config import ControlConfig
 from ems.control.db import Conflict, Database, NotFound
 from ems.control.keys import (
@@ -102,7 +102,7 @@ class Service:
     # ------------------------------------------------------------ checks
     def check_id(self, access_id: str) -> str:
         try:
-            validate_ems_config(EmsConfig(access_id=access_id, access_key="A" * KEY_MIN))
+            validate_access_id(access_id)
         except EmsException as exc:
             raise invalid(f"access_id {access_id!r}: {exc.message()}") from None
         if {"keys", "quota"} & set(access_id.split("/")[1:]):

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any, TextIO
 
-import torch
-
-import ems
-from ems.demo import runner as r
+from ems.demo import passes
+from ems.demo.engine import make_workload
+from ems.demo.passes import DemoSettings
 
 __all__ = ["run_hosts"]
 
@@ -40,7 +37,8 @@ def _tiers(report: dict[str, Any]) -> dict[str, Any]:
             "cluster_bytes_out": tier["bytes_out"]}
 
 
-def run_hosts(settings: Any, args: argparse.Namespace, progress: bool, out: TextIO) -> int:
+def run_hosts(settings: DemoSettings, args: argparse.Namespace, progress: bool,
+              out: TextIO) -> int:
     try:
         from ems.cluster import launcher
         from ems.testing import run_server
@@ -48,21 +46,18 @@ def run_hosts(settings: Any, args: argparse.Namespace, progress: bool, out: Text
     except Exception as exc:  # noqa: BLE001 - the message says what to install
         print(f"ems demo: --hosts needs the cluster extra: {exc}", file=sys.stderr)
         return 2
-    engine = r._engine(settings)
-    requests = r.make_workload(settings.workload, settings.model.vocab_size)
-    kv = r._kv_summary(settings, engine, requests)
+    engine = passes.make_engine(settings)
+    requests = make_workload(settings.workload, settings.model.vocab_size)
+    kv = passes.kv_summary(settings, engine, requests)
     kv.update(pool=f"one ems-server per host ({args.hosts}) + a local Valkey Cluster",
               pool_capacity_bytes=None)
-    r._print_header(settings, kv, out)
-    plain = r._run_plain(engine, requests, r._Progress("without ems", len(requests), progress))
+    passes.print_header(settings, kv, out)
+    with passes.progress("without ems", len(requests), progress) as step:
+        plain = passes.run_plain(engine, requests, step)
     del engine
-    forwarded: list[str] = []
-    for dest in r._FORWARDED:
-        forwarded += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
-    forwarded.append("--progress" if progress else "--no-progress")
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ems.__file__)))
-    report: dict[str, Any] = {"settings": vars(args), "kv": kv, "plain": r._pass_json(plain),
-                              "hosts": []}
+    argv = passes.worker_args(args, progress)
+    report: dict[str, Any] = {"settings": vars(args), "kv": kv,
+                              "plain": passes.pass_json(plain), "hosts": []}
     ok = True
     capacity = f"{max(64, 2 * kv['distinct_bytes'] >> 20)}M"  # every block fits each host
     with tempfile.TemporaryDirectory(prefix="ems-demo-hosts-") as tmp, \
@@ -77,24 +72,13 @@ def run_hosts(settings: Any, args: argparse.Namespace, progress: bool, out: Text
             servers.append(stack.enter_context(run_server(
                 d, capacity=capacity, extra_args=["--cluster", cluster.seed])))
         for h, server in enumerate(servers):
-            env = dict(os.environ, **server.client_env())
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-            path = os.path.join(tmp, f"host{h + 1}.pt")
-            rc = subprocess.run([sys.executable, "-m", "ems.demo", *forwarded,
-                                 "--worker-out", path,
-                                 "--worker-label", f"host {h + 1}/{args.hosts}"],
-                                env=env, check=False).returncode
-            if rc != 0:
-                print(f"ems demo: the instance on host {h + 1} failed (exit {rc})",
-                      file=sys.stderr)
+            run = passes.run_instance(settings, plain, kv, argv,
+                                      passes.worker_env(server.client_env()),
+                                      os.path.join(tmp, f"host{h + 1}.pt"),
+                                      f"host {h + 1}/{args.hosts}", out)
+            if run is None:
                 return 1
-            data = torch.load(path, weights_only=True)
-            cached = [r.RequestStats(**q, logits=lg)
-                      for q, lg in zip(data["requests"], data["logits"])]
-            cmp = r.compare(plain, cached, settings.atol)
-            ok = ok and cmp.ok
-            r._print_summary(f"[host {h + 1}] ", r._totals(plain), r._totals(cached),
-                             data["connector"], kv["block_bytes"], cmp, out)
+            ok = ok and run.comparison.ok
             tiers = _tiers(server.stats())
             print(f"[host {h + 1}] tiers: local pool {100 * tiers['local_hit_rate']:.1f}% "
                   f"hits ({tiers['local_hits']}/{tiers['local_hits'] + tiers['local_misses']} "
@@ -102,10 +86,8 @@ def run_hosts(settings: Any, args: argparse.Namespace, progress: bool, out: Text
                   f"({tiers['cluster_hits']}/{tiers['cluster_hits'] + tiers['cluster_misses']}"
                   f" blocks), {tiers['cluster_bytes_in'] / 2**20:.1f} MiB in, "
                   f"{tiers['cluster_bytes_out'] / 2**20:.1f} MiB out", file=out)
-            report["hosts"].append({"ems": r._pass_json(cached), "connector": data["connector"],
-                                    "tiers": tiers,
-                                    "comparison": dataclasses.asdict(cmp) | {"ok": cmp.ok}})
+            report["hosts"].append(run.to_json() | {"tiers": tiers})
     report["ok"] = ok
     if args.json:
-        r._write_json(args.json, report)
+        passes.write_json(args.json, report)
     return 0 if ok else 1

@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             extra.stop()
         registry.close()
         why = (exc.message() if isinstance(exc, EmsException) else
-               f"--control and --metrics-addr need {exc.name} (pip install 'ems[control]')")
+               f"--control and --metrics-addr need {exc.name} (pip install 'ems-kvpool[control]')")
         print(f"ems-server: bad configuration: {why}", file=sys.stderr)
         return 2
     try:

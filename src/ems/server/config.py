@@ -83,7 +83,7 @@ import os
 import stat
 from typing import Any, Mapping, Optional
 
-from ems.config import EmsConfig, PoolSettings, parse_bytes, validate_ems_config
+from ems.config import PoolSettings, parse_bytes, validate_access_id, validate_access_key
 from ems.errors import EmsException, invalid
 
 __all__ = ["ANONYMOUS", "SDK_MAX_KEY_BYTES", "DiskConfig", "Limits", "ServerConfig",
@@ -594,7 +594,7 @@ def _check_id(ident: str, where: str) -> None:
         raise invalid(f"{where}: {ident!r} is the anonymous namespace's display name and "
                       f"cannot be a tenant's access_id")
     try:
-        validate_ems_config(EmsConfig(access_id=ident, access_key="A" * 32))
+        validate_access_id(ident)
     except EmsException as exc:
         raise invalid(f"{where}: {ident!r} is not a valid access_id ({exc.message()})") from None
 
@@ -624,7 +624,8 @@ def load_tenants(path: str) -> dict[str, str]:
 
     It must be a regular file that neither group nor others can read or write
     (``chmod 600``); otherwise the daemon refuses to start. Ids and keys follow the
-    rules of ``EmsConfig`` (so a client can present them).
+    rules of the SDK (``validate_access_id``, ``validate_access_key``), so a client can
+    present them.
     """
     try:
         st = os.stat(path)
@@ -644,7 +645,7 @@ def load_tenants(path: str) -> dict[str, str]:
     for ident, key in data.get("tenants", {}).items():
         _check_id(ident, f"tenants file {path}")
         try:
-            validate_ems_config(EmsConfig(access_id=ident, access_key=key))
+            validate_access_key(key)
         except EmsException as exc:
             raise invalid(f"tenants file {path}: tenant {ident!r}: {exc.message()}") from None
         tenants[ident] = key

@@ -1,4 +1,5 @@
-"""Public test helpers: run a real ``ems-server`` in a temporary directory.
+"""Public test helpers: run a real ``ems-server`` (or ``ems-control``) in a temporary
+directory.
 
 ::
 
@@ -9,9 +10,13 @@
         ...                                       # Ems.init(...) now uses the daemon
 
 The daemon is a subprocess (``python -m ems.server``); it is always stopped when the
-``with`` block ends, also when the block raised.
+``with`` block ends, also when the block raised. ``run_control(directory)`` does the
+same for ``ems-control`` (``ems.testing.control``). Both are a :class:`ChildProcess`:
+one handle that starts our programs from this very ``ems`` and stops them by PID.
 """
 
+from ems.testing.control import ControlProcess, run_control
+from ems.testing.process import ChildProcess
 from ems.testing.server import ServerProcess, run_server
 
-__all__ = ["ServerProcess", "run_server"]
+__all__ = ["ChildProcess", "ControlProcess", "ServerProcess", "run_control", "run_server"]

@@ -5,33 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-__all__ = ["ServerProcess", "run_server", "terminate"]
+from ems.testing.process import ChildProcess
+
+__all__ = ["ServerProcess", "run_server"]
 
 _SOCK_PATH_MAX = 100  # unix socket paths are limited to 107 bytes
 
 
-def terminate(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
-    """Stop a child by its PID: SIGTERM, then SIGKILL if it has not exited after
-    ``timeout_s``; its exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-class ServerProcess:
+class ServerProcess(ChildProcess):
     """A daemon subprocess; ``directory`` holds its log and files, ``socket_dir`` its
     socket (a short directory under the system temp dir when ``directory`` is deep)."""
 
@@ -39,41 +25,28 @@ class ServerProcess:
                  env: Optional[Mapping[str, str]] = None,
                  nofile: Optional[int] = None) -> None:
         from ems.client.singleton import SOCKET_NAME
+        super().__init__("ems.server", os.path.join(directory, "ems-server.log"), env)
         self.directory = directory
         self.socket_dir = socket_dir
         self.socket_path = os.path.join(socket_dir, SOCKET_NAME)
-        self.log_path = os.path.join(directory, "ems-server.log")
         self.args = list(args)
-        self.env = dict(os.environ if env is None else env)
-        # The daemon imports this very ems (also from a source tree that is not installed).
-        src = os.path.dirname(os.path.dirname(os.path.abspath(str(__import__("ems").__file__))))
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (src, self.env.get("PYTHONPATH", "")) if p)
-        self.proc: Optional[subprocess.Popen] = None
-        self._log: Any = None
         #: RLIMIT_NOFILE of the daemon (tests of fd pressure); None: inherited
         self.nofile = nofile
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 15.0) -> "ServerProcess":
         """Start the daemon and wait until its socket accepts connections."""
-        if self.running:
-            raise RuntimeError("ems-server is already running")
-        self._log = open(self.log_path, "ab")
         nofile = self.nofile or 0
 
         def limit() -> None:  # in the child, before exec
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ems.server", "--socket-dir", self.socket_dir, *self.args],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env=self.env, start_new_session=True,
-            preexec_fn=limit if self.nofile is not None else None)
+        proc = self.spawn(["--socket-dir", self.socket_dir, *self.args],
+                          preexec_fn=limit if self.nofile is not None else None)
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
+            if proc.poll() is not None:
+                code = proc.returncode
                 self._close_log()
                 raise RuntimeError(f"ems-server exited with {code} at start:\n{self.log()}")
             if self._accepts():
@@ -84,47 +57,12 @@ class ServerProcess:
                                    f"{self.log()}")
             time.sleep(0.02)
 
-    def stop(self, timeout_s: float = 10.0) -> Optional[int]:
-        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
-        proc = self.proc
-        if proc is None:
-            return None
-        code = terminate(proc, timeout_s)
-        self._close_log()
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: the socket file stays behind, stale)."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        self._close_log()
-
-    def pause(self) -> None:
-        """SIGSTOP: the daemon hangs (its socket still accepts)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
     def restart(self, timeout_s: float = 15.0) -> "ServerProcess":
         """Stop (gracefully) if running, then start a new daemon on the same socket."""
         self.stop()
         return self.start(timeout_s)
 
     # ------------------------------------------------------------ queries
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
     def client_env(self) -> dict[str, str]:
         """What an SDK process needs in its environment to use this daemon."""
         return {"EMS_POOL": "server", "EMS_SOCKET_DIR": self.socket_dir}
@@ -133,13 +71,6 @@ class ServerProcess:
         """The daemon's statistics report (every tenant)."""
         from ems.client.remote import server_report
         return server_report(self.socket_path, timeout_s)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def _accepts(self) -> bool:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,11 +82,6 @@ class ServerProcess:
             return False
         finally:
             s.close()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 def write_tenants_file(path: str, tenants: Mapping[str, str]) -> str:

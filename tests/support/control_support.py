@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from itest_support import wait_for  # noqa: E402,F401 - shared with the integration tests
+from support.itest_support import wait_for  # noqa: E402,F401 - shared with the integration tests
 
 
 def free_port() -> int:

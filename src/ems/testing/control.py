@@ -1,4 +1,4 @@
-"""Start and stop a real ``ems-control`` subprocess (tests, demos), and call it.
+"""Start and stop a real ``ems-control`` subprocess (tests, benchmarks), and call it.
 
 ``run_control(directory)`` starts the service on 127.0.0.1 at a free port with its
 state in ``directory`` and always stops it (by its PID) when the block ends.
@@ -8,28 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
 from ems.control.client import http_json
-from ems.testing.server import terminate
+from ems.testing.process import ChildProcess
 
 __all__ = ["ControlProcess", "run_control"]
 
 
-class ControlProcess:
+class ControlProcess(ChildProcess):
     """An ``ems-control`` subprocess with its state in ``directory``."""
 
     def __init__(self, directory: str, args: Sequence[str] = ()) -> None:
+        super().__init__("ems.control", os.path.join(directory, "ems-control.log"))
         self.directory = directory
         self.port_file = os.path.join(directory, "port")
-        self.log_path = os.path.join(directory, "ems-control.log")
         self.args = list(args)
-        self.proc: Optional[subprocess.Popen] = None
         self.port = 0
-        self._log: Any = None
 
     @property
     def url(self) -> str:
@@ -46,21 +42,14 @@ class ControlProcess:
     def start(self, timeout_s: float = 20.0) -> "ControlProcess":
         if os.path.exists(self.port_file):
             os.unlink(self.port_file)
-        src = os.path.dirname(os.path.dirname(os.path.abspath(str(__import__("ems").__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
         port = str(self.port) if self.port else "0"  # a restart keeps its port
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ems.control", "--state-dir", self.directory,
-             "--host", "127.0.0.1", "--port", port, "--port-file", self.port_file,
-             *self.args],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+        proc = self.spawn(["--state-dir", self.directory, "--host", "127.0.0.1",
+                           "--port", port, "--port-file", self.port_file, *self.args])
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ems-control exited with {self.proc.returncode}:\n"
+            if proc.poll() is not None:
+                self._close_log()
+                raise RuntimeError(f"ems-control exited with {proc.returncode}:\n"
                                    f"{self.log()}")
             if os.path.exists(self.port_file):
                 with open(self.port_file) as f:
@@ -72,27 +61,6 @@ class ControlProcess:
                 raise RuntimeError(f"ems-control did not listen within {timeout_s} s:\n"
                                    f"{self.log()}")
             time.sleep(0.05)
-
-    def stop(self, timeout_s: float = 10.0) -> Optional[int]:
-        proc = self.proc
-        if proc is None:
-            return None
-        code = terminate(proc, timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def call(self, method: str, path: str, body: Any = None, token: Optional[str] = "admin"
              ) -> tuple[int, Any]:

@@ -1,25 +1,21 @@
-"""Helpers shared by the integration tests (importable: the test dir is on sys.path)."""
+"""Helpers shared by the integration, fault, control and cluster tests."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Callable, Optional
 
+from ems.testing.leaks import check_server
+
 KEY_A = "A" * 40
 KEY_B = "B" * 40
 
 
 def assert_idle(server, timeout_s: float = 5.0) -> dict:
-    """Wait until no tenant of ``server`` holds pins or reservations; the last report."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        report = server.stats()
-        busy = {n: (t["pinned"], t["reserved"]) for n, t in report["tenants"].items()
-                if t["pinned"] or t["reserved"]}
-        if not busy:
-            return report
-        assert time.monotonic() < deadline, f"ems-server still holds (pins, reservations): {busy}"
-        time.sleep(0.02)
+    """Wait until ``server`` holds nothing a finished request took (pins, reservations,
+    leases without their connection, write-behind): ``ems.testing.leaks.check_server``;
+    the last report."""
+    return check_server(server, timeout_s)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
@@ -53,12 +49,11 @@ def transport_save(transport, keys: list, size: int, timeout_ms: int = 5000) -> 
     many are stored."""
     import ctypes
 
-    from client_worker import pattern
-
     from ems import CcKvOption
     from ems.client.movers import V0Mover
     from ems.futures import Task
     from ems.keys import Request
+    from support.client_worker import pattern
 
     bufs = [ctypes.create_string_buffer(pattern(k, size), size) for k in keys]
     mover = V0Mover([[(ctypes.addressof(b), size)] for b in bufs])

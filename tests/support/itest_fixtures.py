@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 import pytest
-from itest_support import assert_idle
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.testing import run_server
+from support.itest_support import assert_idle
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client_worker.py")
 @pytest.fixture

@@ -1,16 +1,14 @@
-"""Helpers of the cluster tests (importable: the test dir is on sys.path)."""
+"""Helpers of the cluster tests."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-# the integration tests' helpers (their dir is put on sys.path by this dir's conftest)
-from client_worker import Value, pattern
-from itest_support import wait_for as wait_until  # noqa: F401 - used by the tests
-
 from ems import CcConfig, CcKvOption
 from ems.client.context_caching import ContextCaching
 from ems.client.remote import RemoteTransport
+from support.client_worker import Value, pattern
+from support.itest_support import wait_for as wait_until  # noqa: F401 - used by the tests
 
 
 class Host:

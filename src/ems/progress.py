@@ -1,4 +1,6 @@
-"""A progress bar on stderr: tqdm when it is importable, else a plain one-line bar."""
+"""The progress bar of ``ems bench`` and ``ems demo``, on stderr: tqdm when it is
+importable, else a plain one-line bar; not on a terminal, one line per stage (the
+label's part before a colon), no carriage returns in logs."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """``Progress(total)``; ``step(label)`` after each unit of work; ``close()``."""
+    """``Progress(total)``; ``step(label)`` after each unit of work; ``close()``.
+    ``name`` starts the lines written when the stream is not a terminal."""
 
-    def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None
-                 ) -> None:
+    def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None,
+                 name: str = "bench") -> None:
         self.total = max(1, total)
+        self.name = name
         self.done = 0
         self.enabled = enabled
         self._stream = stream or sys.stderr
@@ -55,7 +59,8 @@ class Progress:
         elif label.split(":")[0] != self._last_label.split(":")[0]:
             # not a terminal: one line per workload, no carriage returns in logs
             elapsed = time.monotonic() - self._t0
-            self._stream.write(f"bench: {label} ({self.done}/{self.total}, {elapsed:.0f}s)\n")
+            self._stream.write(f"{self.name}: {label} ({self.done}/{self.total}, "
+                               f"{elapsed:.0f}s)\n")
             self._stream.flush()
         self._last_label = label
 

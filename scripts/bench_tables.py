@@ -1,0 +1,207 @@
+"""Writes the tables of docs/benchmarks.md from the committed JSON of the latest runs.
+
+    python scripts/bench_tables.py           # rewrite the generated blocks in place
+    python scripts/bench_tables.py --check   # exit 1 if a block differs (scripts/test.sh)
+
+Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the
+page; everything else on the page is written by hand. The sources: ``docs/bench.json``
+(``ems bench --out DIR`` writes ``DIR/bench.json``), ``docs/vllm_ttft.json``
+(``benchmarks/vllm_ttft.py``) and ``docs/control-propagation.json``
+(``benchmarks/control_propagation.py``). A new run replaces the JSON; this script then
+replaces the tables, so the page never shows a figure that no JSON holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PAGE = DOCS / "benchmarks.md"
+
+#: the columns of the throughput table: (system in the JSON, heading)
+SYSTEMS = [
+    ("copy-nt", "limit: copy-nt"), ("copy-glibc", "copy-glibc"), ("memcpy", "numpy memcpy"),
+    ("ems-embedded", "ems embedded"), ("ems-daemon", "ems daemon"), ("mooncake", "Mooncake"),
+    ("redis", "Redis"), ("ems-cluster", "ems cluster (cross-host)"),
+    ("valkey-py", "valkey-py (cross-host)"), ("mooncake-tcp", "Mooncake TCP (cross-host)"),
+    ("mooncake-tcp-node", "Mooncake TCP node (cross-host)"),
+]
+#: systems whose "x limit" is shown beside their GB/s (the peers' are in the JSON)
+WITH_RATIO = {"copy-glibc", "memcpy", "ems-embedded", "ems-daemon", "mooncake", "ems-cluster"}
+
+
+def _load(name: str) -> dict[str, Any]:
+    with open(DOCS / name) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _num(x: Optional[float], spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _cell(row: Optional[dict[str, Any]]) -> str:
+    if row is None:
+        return "–"
+    out = _num(row["gbps"])
+    if row["system"] in WITH_RATIO and row.get("ratio_to_limit") is not None:
+        out += f" ({row['ratio_to_limit']:.2f})"
+    return out
+
+
+def bench_run(d: dict[str, Any]) -> str:
+    m, ems = d["machine"], d["ems"]
+    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    p = d["args"]["params"]
+    return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
+            f"`ems bench {' '.join('DIR' if a.startswith('/') else a for a in d['args']['argv'])}` "
+            f"({'quick' if d['args']['quick'] else 'full'}, {p['reps']} repetitions, "
+            f"{d['elapsed_s']:.0f} s): {m.get('cpus')} × {m.get('cpu', '?')} vCPU, "
+            f"{m.get('memory_gib', '?')} GiB, {m['platform'].split('-with')[0]}, "
+            f"Python {m['python']}, torch {m.get('torch', '–')}.")
+
+
+def bench_throughput(d: dict[str, Any]) -> str:
+    rows = [r for r in d["results"] if r["workload"] in ("v0", "v1")]
+    cases: list[tuple[str, str]] = []
+    for r in rows:
+        if (r["workload"], r["case"]) not in cases:
+            cases.append((r["workload"], r["case"]))
+    ran = [(s, h) for s, h in SYSTEMS if any(r["system"] == s for r in rows)]
+    out = ["| workload | " + " | ".join(h for _, h in ran) + " |",
+           "|---|" + "---:|" * len(ran)]
+    for wl, case in cases:
+        cells = []
+        for system, _ in ran:
+            pair = [next((r for r in rows if (r["workload"], r["case"], r["system"], r["op"])
+                          == (wl, case, system, op)), None) for op in ("save", "load")]
+            cells.append("–" if pair == [None, None] else " / ".join(_cell(r) for r in pair))
+        out.append(f"| {wl.upper()} {case} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def bench_latency(d: dict[str, Any]) -> str:
+    out = ["| system | save p50 / p99 µs | load p50 / p99 µs |", "|---|---:|---:|"]
+    systems: list[str] = []
+    for x in d["latency"]:
+        if x["system"] not in systems:
+            systems.append(x["system"])
+    for s in systems:
+        cells = []
+        for op in ("save", "load"):
+            x = next((y for y in d["latency"] if (y["system"], y["op"]) == (s, op)), None)
+            cells.append("–" if x is None else f"{x['p50_us']:.1f} / {x['p99_us']:.0f}")
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def bench_scaling(d: dict[str, Any]) -> str:
+    rows = [r for r in d["results"] if r["workload"] in ("scaling", "fill")]
+    out = ["| workload | system | save GB/s (x memcpy) | load GB/s (x memcpy) |",
+           "|---|---|---:|---:|"]
+    seen: list[tuple[str, str, str]] = []
+    for r in rows:
+        key = (r["workload"], r["case"], r["system"])
+        if key in seen or r["system"] == "memcpy":
+            continue
+        seen.append(key)
+        cells = []
+        for op in ("save", "load"):
+            x = next((y for y in rows if (y["workload"], y["case"], y["system"], y["op"])
+                      == (*key, op)), None)
+            cells.append("–" if x is None else
+                         f"{x['gbps']:.2f} ({_num(x.get('ratio_to_memcpy'))})")
+        out.append(f"| {r['workload']} {r['case']} | {r['system']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def bench_targets(d: dict[str, Any]) -> str:
+    out = ["| target | system | measured | met |", "|---|---|---:|---|"]
+    for t in d["targets"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        detail = f" ({t['detail']})" if t.get("detail") else ""
+        out.append(f"| {t['target']} | {t['system']} | {_num(t['measured'])} {t['unit']}"
+                   f"{detail} | {met} |")
+    for p in d.get("problems", []):
+        out.append(f"| not run: {p['system']} ({p['workload']}) | – | {p['reason']} | – |")
+    return "\n".join(out)
+
+
+def vllm_ttft(d: dict[str, Any]) -> str:
+    names = {"off": "off (no connector, cold)",
+             "off2": "off2 (the same, a second process: the noise floor)",
+             "miss": "miss (connector on, cold: lookup + save)",
+             "hit": f"hit (connector on, {d['hit_tokens_median']:.0f} of "
+                    f"{d['prompt_tokens']} tokens from ems)"}
+    out = [f"| case | TTFT median | best of {d['rounds']} |", "|---|---:|---:|"]
+    for k, label in names.items():
+        out.append(f"| {label} | {d['ttft_median_s'][k] * 1e3:.0f} ms | "
+                   f"{d['ttft_min_s'][k] * 1e3:.0f} ms |")
+    c = d["connector_ms_per_request"]
+    out += ["", f"Hit: TTFT **{d['speedup_hit_vs_off']:.1f}x** lower than a cold prefill "
+            f"(hit rate {d['hit_rate']:.1%}; the load took {c['load_ms_hit']:.1f} ms). "
+            f"Miss overhead, connector on vs off: median of the per-round ratios "
+            f"{d['miss_overhead_median']:+.1%}, against the control off2 vs off "
+            f"{d['control_off2_vs_off_median']:+.1%}. Inside the engine the connector's "
+            f"hooks took {c['hooks_ms']:.1f} ms per request ({c['hooks_share_of_off_ttft']:.2%} "
+            f"of the cold TTFT; the lookup {c['lookup_ms']:.1f} ms of it); the save, "
+            f"{c['save_ms_beside']:.1f} ms, runs on its own thread beside the engine."]
+    return "\n".join(out)
+
+
+def control_propagation(d: dict[str, Any]) -> str:
+    out = [f"Two daemons, poll period {d['poll_s']} s, {d['rounds']} rounds, "
+           f"{d['cpus']} CPUs; seconds from the REST answer until both daemons showed "
+           "the change:", "", "| event | p50 | max |", "|---|---:|---:|"]
+    for name, e in d["events"].items():
+        out.append(f"| {name} | {e['p50_s']:.3f} | {e['max_s']:.3f} |")
+    return "\n".join(out)
+
+
+BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "bench-run": ("bench.json", bench_run),
+    "bench-throughput": ("bench.json", bench_throughput),
+    "bench-latency": ("bench.json", bench_latency),
+    "bench-scaling": ("bench.json", bench_scaling),
+    "bench-targets": ("bench.json", bench_targets),
+    "vllm-ttft": ("vllm_ttft.json", vllm_ttft),
+    "control-propagation": ("control-propagation.json", control_propagation),
+}
+
+
+def render(page: str) -> str:
+    for name, (source, make) in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated: {name} -->\n).*?(<!-- end: {name} -->)", re.S)
+        if not pattern.search(page):
+            raise SystemExit(f"{PAGE}: no block '{name}' (<!-- generated: {name} -->)")
+        body = make(_load(source))
+        page = pattern.sub(lambda m, b=body: f"{m.group(1)}{b}\n{m.group(2)}", page)
+    return page
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 if the page's tables differ from the JSON")
+    args = ap.parse_args(argv)
+    old = PAGE.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print(f"{PAGE.name}: the generated tables differ from the JSON; "
+                  "run python scripts/bench_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        PAGE.write_text(new)
+        print(f"rewrote the tables of {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The teardown leak checks (``ems.testing.leaks``) find what a fixture must not leave
+behind: a pin, a reservation, a lease, or an allocator whose extents do not add up."""
+
+from __future__ import annotations
+
+import pytest
+
+from ems.testing.leaks import _busy, check_embedded
+
+
+def _pool(cc):
+    return cc._transport.pool
+
+
+def test_a_clean_pool_passes(cc, option):
+    check_embedded(cc, timeout_s=0.1)
+
+
+@pytest.mark.parametrize("leak", ["pin", "reservation", "lease", "allocator"])
+def test_each_leak_is_found(make_cc, leak):
+    from ems import CcConfig
+    cc = make_cc(cc_config=CcConfig(rank_id=0, device_id=0, model_id="leaks"))
+    pool = _pool(cc)
+    pool.commit([g.token for g in pool.reserve(["k"], [4096])])
+    if leak == "pin":
+        pins = pool.acquire(["k"], [4096])
+        undo = lambda: pool.release([p.token for p in pins])
+    elif leak == "reservation":
+        tokens = [g.token for g in pool.reserve(["r"], [4096])]
+        undo = lambda: pool.abort(tokens)
+    elif leak == "lease":
+        assert pool.lease(1 << 16, "conn-1") is not None
+        undo = lambda: pool.drop_owner("conn-1")
+    else:
+        free = next(iter(pool.allocator._by_start))
+        pool.allocator._by_start[free] += 64  # an extent overlapping the next one
+        undo = lambda: pool.allocator._by_start.__setitem__(
+            free, pool.allocator._by_start[free] - 64)
+    try:
+        with pytest.raises(AssertionError):
+            check_embedded(cc, timeout_s=0.05)
+    finally:
+        undo()
+    check_embedded(cc, timeout_s=0.1)
+
+
+def test_a_daemon_report_with_leftovers_is_busy():
+    row = {"pinned": 0, "reserved": 0, "leases": 0, "leased_bytes": 0, "connections": 0}
+    assert _busy({"tenants": {"a": row}}) == {}
+    assert _busy({"tenants": {"a": row | {"pinned": 2}}}) == {"a": {"pinned": 2}}
+    assert _busy({"tenants": {"a": row | {"leases": 1, "leased_bytes": 4096}}}) == {
+        "a": {"leases": 1, "leased_bytes": 4096}}
+    # a lease of a live connection is no leak
+    assert _busy({"tenants": {"a": row | {"leases": 1, "connections": 1}}}) == {}
+    assert _busy({"tenants": {}, "cluster": {"tier": {"write_behind_pending_bytes": 9}}}) == {
+        "(cluster tier)": {"write_behind_pending_bytes": 9}}
