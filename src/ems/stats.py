@@ -51,10 +51,45 @@ def format_report(report: dict[str, Any]) -> str:
             f"{name} {count}" for name, count in sorted(refused.items())))
     if srv.get("accepting") is False:
         lines.append("not accepting connections now (out of file descriptors; backing off)")
+    disk = report.get("disk")
+    if disk:
+        lines += _disk_lines(report, disk)
     cluster = report.get("cluster")
     if cluster:
         lines += _cluster_lines(report, cluster)
     return "\n".join(lines)
+
+
+def _disk_lines(report: dict[str, Any], disk: dict[str, Any]) -> list[str]:
+    """The disk tier: its state, per tenant, and what it refused or recovered."""
+    t = disk["tier"]
+    refused = disk.get("admissions_refused") or {}
+    lines = [f"disk {disk['path']}: {disk['state']}, {_size(disk['used_bytes'])} of "
+             f"{_size(disk['capacity_bytes'])}, {disk['objects']} object(s), admission "
+             f"{disk['admission']}; {t['hits']} hit(s) of {t['lookups']} lookup(s) "
+             f"({100 * t['hit_rate']:.1f}%), {_size(t['bytes_in'])} read, "
+             f"{_size(t['bytes_out'])} written; writes queued "
+             f"{_size(disk['queued_write_bytes'])}, in flight "
+             f"{_size(disk['inflight_write_bytes'])}",
+             f"  recovery: {disk['records_recovered']} record(s) in "
+             f"{disk['recovery_s']:.3f} s ({'scan skipped' if disk['scan_skipped'] else 'scanned'}"
+             f"), {disk['records_dropped_damaged']} dropped as damaged; "
+             f"{disk['checkpoints']} checkpoint(s)"]
+    if refused or disk.get("queue_dropped"):
+        parts = [f"{k} {v}" for k, v in sorted(refused.items())]
+        if disk.get("queue_dropped"):
+            parts.append(f"queue_full {disk['queue_dropped']}")
+        lines.append("  not admitted: " + ", ".join(parts))
+    rows: list[tuple[str, ...]] = [("tenant", "disk used", "objects", "quota", "hits",
+                                    "misses", "bytes in", "bytes out")]
+    for name, row in sorted(report["tenants"].items()):
+        d = (row.get("tiers") or {}).get("disk")
+        if d:
+            rows.append((name, _size(d["used_bytes"]), str(d["objects"]),
+                         _size(d["quota_bytes"]) if d["quota_bytes"] is not None else "-",
+                         str(d["hits"]), str(d["misses"]), _size(d["bytes_in"]),
+                         _size(d["bytes_out"])))
+    return lines + (_table(rows) if len(rows) > 1 else [])
 
 
 def _table(rows: list) -> list[str]:

@@ -3,11 +3,8 @@ prometheus_client's own parser."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from support.control_support import connect_when_registered, free_port
+from support.control_support import connect_when_registered, free_port, scrape, value
 from support.itest_support import transport_load, transport_save
 
 from ems.client.remote import RemoteTransport
@@ -18,22 +15,6 @@ from ems.testing import run_server
 pytestmark = pytest.mark.integration
 
 SIZE = 16 << 10
-
-
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    return {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def value(families: dict, name: str, sample: str = "", **labels: str) -> float:
-    family = families[name]
-    want = sample or (name + "_total" if family.type == "counter" else name)
-    hits = [s.value for s in family.samples
-            if s.name == want and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(hits) == 1, (name, labels, family.samples)
-    return hits[0]
 
 
 def test_metrics_of_a_controlled_daemon(control, daemons):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 import time
 
 import pytest
@@ -263,3 +264,28 @@ def test_a_slow_disk_keeps_the_deadline_and_no_byte_arrives_late(make_server, wo
                        hits=res.success)
     finally:
         Ems.finalize()
+
+
+def test_stats_and_metrics_show_the_disk_tier(make_server, workers, tmp_path):
+    from support.control_support import free_port, scrape, value
+
+    port = free_port()
+    server = make_server(capacity="8M", extra_args=_disk_args(
+        tmp_path, "--metrics-addr", f"127.0.0.1:{port}"))
+    keys = [f"obs-{i}" for i in range(16)]
+    for batch in _batches(keys, 4):
+        assert workers.run(server, "save", keys=batch, size=MIB)["success"] == 4
+    _settled(server, 16)
+    assert workers.run(server, "load", keys=keys[:4], size=MIB) == {"success": 4, "wrong": 0}
+    text = subprocess.run([sys.executable, "-m", "ems.server", "stats", "--socket-dir",
+                           server.socket_dir], capture_output=True, text=True, timeout=60,
+                          env=server.env)
+    assert text.returncode == 0, text.stderr
+    assert f"disk {tmp_path / 'disk'}: ok" in text.stdout and "16 object(s)" in text.stdout
+    fams = scrape(port)
+    tenant = {"tenant": "(anonymous)"}
+    assert value(fams, "ems_pool_hits", tier="disk", **tenant) == 4
+    assert value(fams, "ems_pool_stored_bytes", tier="disk", **tenant) == 16 * MIB
+    assert value(fams, "ems_disk_objects") == 16
+    assert value(fams, "ems_disk_tenant_objects", **tenant) == 16
+    assert value(fams, "ems_disk_up") == 1

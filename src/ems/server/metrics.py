@@ -13,17 +13,33 @@ timeit; prometheus_client's Histogram takes a lock per observation). The exporte
 copies a verb's list at once and derives ``_count`` from the buckets, so buckets and
 count always agree; ``_sum`` may be one request ahead or behind them.
 
-Metrics (all ``ems_``; counters end in ``_total``; ``tier`` is ``local`` today, the
-cluster tier will add ``cluster``):
+Metrics (all ``ems_``; counters end in ``_total``; ``tier`` is ``local`` for the host's
+shared memory, ``disk`` for the disk tier, ``cluster`` for the cluster tier):
 
 ==========================================  ======================  =====================
 name                                        labels                  what
 ==========================================  ======================  =====================
 ems_pool_hits_total                         tenant, tier            lookups that hit
 ems_pool_misses_total                       tenant, tier, reason    absent, size_mismatch,
-                                                                    pending (being written)
+                                                                    pending (being written);
+                                                                    disk/cluster: absent
 ems_pool_hit_bytes_total                    tenant, tier            bytes of the hits
-ems_pool_stored_bytes_total                 tenant, tier            bytes committed
+ems_pool_stored_bytes_total                 tenant, tier            bytes committed (disk,
+                                                                    cluster: written there)
+ems_disk_capacity_bytes, _used_bytes,       -                       the disk tier's size,
+ems_disk_objects, _queued_write_bytes,                              use, records, writes
+ems_disk_inflight_write_bytes                                       waiting / running
+ems_disk_tenant_used_bytes, _objects,       tenant                  a tenant's share of it
+ems_disk_tenant_quota_bytes
+ems_disk_admissions_refused_total           reason                  no_space, quota, budget,
+                                                                    io_error, too_large,
+                                                                    queue_full
+ems_disk_read_errors_total                  kind                    damaged, io_error,
+                                                                    timeout
+ems_disk_records_recovered, _recovery_      -                       the last start's
+seconds, _records_dropped_damaged_total                             recovery
+ems_disk_latency_seconds                    op, quantile            read/write p50, p99
+ems_disk_up                                 -                       1 unless the tier is off
 ems_pool_capacity_bytes                     tenant                  usage limit (quota)
 ems_pool_arena_bytes                        tenant                  the segment's memory
 ems_pool_quota_bytes                        tenant                  quota asked for
@@ -161,8 +177,17 @@ class _Collector(Collector):
             conns.add_metric([name], t["connections"])
             for gauge_name, family in gauges.items():
                 family.add_metric([name], t.get(gauge_name, 0) or 0)
+        for name, t in sorted(tenants.items()):  # the tiers beyond shared memory
+            for tier, row in sorted((t.get("tiers") or {}).items()):
+                hits.add_metric([name, tier], row.get("hits", 0))
+                misses.add_metric([name, tier, "absent"], row.get("misses", 0))
+                hit_bytes.add_metric([name, tier], row.get("bytes_in", 0))
+                stored.add_metric([name, tier], row.get("bytes_out", 0))
         yield from (hits, misses, hit_bytes, stored, evictions, expired, refusals, conns)
         yield from gauges.values()
+        disk = report.get("disk")
+        if disk:
+            yield from _disk_families(disk, tenants)
 
     def _latency_family(self) -> Iterator[Any]:
         family = HistogramMetricFamily("ems_request_duration_seconds",
@@ -177,6 +202,52 @@ class _Collector(Collector):
                 buckets.append((bound, cumulative))
             family.add_metric([verb.lower()], buckets, total)
         yield family
+
+
+def _disk_families(disk: dict[str, Any], tenants: dict[str, Any]) -> Iterator[Any]:
+    """The disk tier's own families (``report()["disk"]``)."""
+    for field, doc in (("capacity_bytes", "bytes the disk tier may use"),
+                       ("used_bytes", "bytes of region files in use"),
+                       ("objects", "records on disk"),
+                       ("queued_write_bytes", "bytes waiting to be written"),
+                       ("inflight_write_bytes", "bytes being written"),
+                       ("records_recovered", "records found by the last start's recovery"),
+                       ("recovery_s", "seconds the last start's recovery took")):
+        name = "ems_disk_recovery_seconds" if field == "recovery_s" else f"ems_disk_{field}"
+        yield GaugeMetricFamily(name, doc, value=disk.get(field) or 0)
+    yield GaugeMetricFamily("ems_disk_up", "1 unless the disk tier is off",
+                            value=0 if disk.get("state") == "off" else 1)
+    yield CounterMetricFamily("ems_disk_records_dropped_damaged",
+                              "records dropped as damaged (at recovery or read)",
+                              value=disk.get("records_dropped_damaged", 0))
+    refused = CounterMetricFamily("ems_disk_admissions_refused",
+                                  "objects not written to disk, by reason", labels=["reason"])
+    for reason in ("no_space", "quota", "budget", "io_error", "too_large"):
+        refused.add_metric([reason], disk.get(f"refused_{reason}", 0))
+    refused.add_metric(["queue_full"], disk.get("queue_dropped", 0))
+    yield refused
+    errors = CounterMetricFamily("ems_disk_read_errors", "disk reads that did not hit",
+                                 labels=["kind"])
+    for kind, field in (("damaged", "read_damaged"), ("io_error", "read_io_errors"),
+                        ("timeout", "read_timeouts")):
+        errors.add_metric([kind], disk.get(field, 0))
+    yield errors
+    latency = GaugeMetricFamily("ems_disk_latency_seconds", "disk I/O latency",
+                                labels=["op", "quantile"])
+    for op in ("read", "write"):
+        for q in ("p50", "p99"):
+            latency.add_metric([op, q], disk.get(f"{op}_latency_{q}_s") or 0.0)
+    yield latency
+    per = {f: GaugeMetricFamily(f"ems_disk_tenant_{f}", doc, labels=["tenant"])
+           for f, doc in (("used_bytes", "a tenant's bytes on disk"),
+                          ("objects", "a tenant's records on disk"),
+                          ("quota_bytes", "a tenant's disk share"))}
+    for name, t in sorted(tenants.items()):
+        row = (t.get("tiers") or {}).get("disk")
+        if row:
+            for f, family in per.items():
+                family.add_metric([name], row.get(f) or 0)
+    yield from per.values()
 
 
 def _control_families(sync: Any) -> Iterator[Any]:
