@@ -453,3 +453,34 @@ def test_past_the_write_behind_bound_a_save_stays_local_and_is_counted(shared_cl
     tier = a.report()["cluster"]["tier"]
     assert tier["write_behind_dropped"] == 2 and tier["writes"] == 0
     assert load(b, ["wb-bound-1"], SIZE) == (0, 0)  # never reached the cluster
+
+
+def test_the_disk_tier_and_the_cluster_tier_together(shared_cluster, make_host, tmp_path):
+    """Lookups go shared memory -> disk -> cluster: a host with a disk keeps what the
+    cluster brought it, and after a restart serves it from its disk (also with
+    read_local_only) without asking the cluster."""
+    a = make_host(shared_cluster.seed)
+    disk = str(tmp_path / "disk-b")
+    b = make_host(shared_cluster.seed, capacity="8M",
+                  extra_args=("--disk", disk, "--disk-checkpoint-s", "0.2"))
+    keys = [f"both-{i}" for i in range(12)]  # 12 x 256 KiB
+    size = 256 << 10
+    assert save(a, keys, size, opt(write_rcache=False)) == 12  # the cluster only
+    assert load(b, keys, size) == (12, 0)  # from the cluster; b's disk keeps them
+    wait_until(lambda: b.report()["disk"]["objects"] == 12, 20, "b's disk has them")
+    cluster_hits = b.report()["cluster"]["tier"]["hits"]
+    b.close()
+    b.server.restart()
+    b2 = Host(b.server)
+    try:
+        assert load(b2, keys, size, opt(read_local_only=True)) == (12, 0)
+        report = b2.report()
+        assert report["cluster"]["tier"]["hits"] == 0  # a fresh daemon: none from there
+        assert report["tenants"]["(anonymous)"]["tiers"]["disk"]["hits"] == 12
+        assert report["disk"]["records_recovered"] == 12 and cluster_hits == 12
+        # a key only the cluster has comes after the disk's run
+        assert save(a, ["both-late"], size, opt(write_rcache=False)) == 1
+        assert load(b2, keys[:2] + ["both-late"], size) == (3, 0)
+        assert b2.report()["cluster"]["tier"]["hits"] == 1
+    finally:
+        b2.close()

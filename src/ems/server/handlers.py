@@ -176,6 +176,13 @@ class Handlers:
         for tier in self._stored_tiers:
             tier.stored(tenant, keys, sizes)
 
+    def _stored_here(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """Objects another host's save brought into shared memory (a cluster fill): the
+        local tiers keep them too, so a restart of this host still finds them here."""
+        for tier in self._stored_tiers:
+            if tier.local:
+                tier.stored(tenant, keys, sizes)
+
     # ------------------------------------------------------------ handlers
     # One per request type; after (session, pool), the message's fields by name, in the
     # order of their one definition in ``ems.protocol.messages``.
@@ -349,6 +356,10 @@ class _Load:
             more = self.tenant.pool.acquire(self.keys[n:], sizes, session.id, count=False)
             session.pins += len(more)
             self.pins.extend(more)
+            filler = self.tiers[self._next - 1]
+            if more and not filler.local:  # a copy on this host's own tiers (the disk)
+                self.handlers._stored_here(self.tenant, self.keys[n:n + len(more)],
+                                           [p.size for p in more])
             if len(self.pins) < len(self.keys):
                 self.next()
                 return
