@@ -289,3 +289,22 @@ def test_stats_and_metrics_show_the_disk_tier(make_server, workers, tmp_path):
     assert value(fams, "ems_disk_objects") == 16
     assert value(fams, "ems_disk_tenant_objects", **tenant) == 16
     assert value(fams, "ems_disk_up") == 1
+
+
+def test_the_directory_removed_turns_the_tier_off_and_the_daemon_serves(make_server, workers,
+                                                                        tmp_path):
+    import shutil
+    server = make_server(capacity="32M", extra_args=_disk_args(tmp_path))
+    keys = [f"gone-{i}" for i in range(8)]
+    assert workers.run(server, "save", keys=keys, size=MIB)["success"] == 8
+    _settled(server, 8)
+    shutil.rmtree(tmp_path / "disk")
+    more = [f"after-{i}" for i in range(8)]
+    assert workers.run(server, "save", keys=more, size=MIB) == {"success": 8}
+    wait_for(lambda: _disk(server)["state"] == "off", 20, "the disk tier off")
+    assert workers.run(server, "save", keys=[f"later-{i}" for i in range(8)],
+                       size=MIB) == {"success": 8}
+    assert workers.run(server, "load", keys=more, size=MIB) == {"success": 8, "wrong": 0}
+    assert server.running
+    errors = [line for line in server.log().splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and str(tmp_path / "disk") in errors[0], errors
