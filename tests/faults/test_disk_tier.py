@@ -308,3 +308,37 @@ def test_the_directory_removed_turns_the_tier_off_and_the_daemon_serves(make_ser
     assert server.running
     errors = [line for line in server.log().splitlines() if " ERROR " in line]
     assert len(errors) == 1 and str(tmp_path / "disk") in errors[0], errors
+
+
+def test_a_load_during_recovery_waits_for_it(make_server, client_env, tmp_path, figures):
+    """After a crash with no checkpoint the restart scans every record; a load sent the
+    moment the socket accepts waits for that scan (within its deadline) instead of
+    missing."""
+    server = make_server(capacity="64M", extra_args=_disk_args(tmp_path, checkpoint_s="3600"))
+    client_env(server)
+    config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="itest"))
+    size, n = 4096, 8000
+    keys = [f"rec-{i}" for i in range(n)]
+    Ems.init(config)
+    try:
+        cc = Ems.get_cc()
+        for part in _batches(keys, 2000):
+            vals = _values(part, size)  # alive until the save returned
+            assert cc.save(CcKvOption(timeout=20000), part,
+                           [v.wrappers() for v in vals]).success == len(part)
+    finally:
+        Ems.finalize()
+    _settled(server, n, timeout_s=120)
+    server.kill()  # no checkpoint was taken: the restart scans all 8000 records
+    server.start()
+    Ems.init(config)
+    try:
+        cc = Ems.get_cc()
+        probe = keys[-64:]
+        hits, bad = _load_checked(cc, probe, size, timeout_ms=20000)
+        assert (hits, bad) == (64, 0)
+    finally:
+        Ems.finalize()
+    d = _disk(server)
+    assert not d["scan_skipped"] and d["records_recovered"] == n
+    figures.update(records=n, recovery_s=round(d["recovery_s"], 3))
