@@ -77,7 +77,7 @@ from ems.server.config import ServerConfig
 from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentMaps
 from ems.server.tenants import Tenant
-from ems.server.tiers import Extent, Loop, Report, Tier
+from ems.server.tiers import Extent, Loop, Report, Tier, TierCounters
 
 __all__ = ["ClusterTier", "TierStatistics", "start"]
 
@@ -135,10 +135,9 @@ class ClusterTier(Tier):
         self._max_batch_s = min(settings.op_timeout_s, reservation_ttl_s / 2)
         self._pending_bytes = 0
         self._dropped_logged_at = -_WARN_EVERY_S
-        self._lock = threading.Lock()  # counters updated by workers
-        self._c: collections.Counter = collections.Counter()
-        #: per tenant (by name): hits, misses, bytes_in, writes, bytes_out
-        self._per_tenant: dict[str, collections.Counter] = {}
+        self._lock = threading.Lock()  # the latencies, appended by workers
+        #: hits, misses, bytes_in, writes, bytes_out, ... in all and per tenant
+        self._counters = TierCounters()
         self._latencies: collections.deque = collections.deque(maxlen=_LATENCIES)
 
     # ------------------------------------------------------------ plumbing
@@ -153,8 +152,8 @@ class ClusterTier(Tier):
             except Exception:  # noqa: BLE001 - the completion still runs (as misses)
                 logger.exception("ems cluster: a batch failed")
                 result = None
+            self._counters.add(batches=1)
             with self._lock:
-                self._c["batches"] += 1
                 self._latencies.append(time.monotonic() - started)
             self._loop.call_soon(lambda: done(result))
         self._executor.submit(run)
@@ -163,25 +162,10 @@ class ClusterTier(Tier):
         cap = time.monotonic() + self._max_batch_s
         return cap if deadline is None else min(deadline, cap)
 
-    def _count(self, tenant: Optional[Tenant] = None, **kw: int) -> None:
-        with self._lock:
-            self._c.update(kw)
-            if tenant is not None:
-                row = self._per_tenant.get(tenant.name)
-                if row is None:
-                    row = self._per_tenant[tenant.name] = collections.Counter()
-                row.update(kw)
-
     def tenant_report(self, tenant: Tenant) -> Report:
         """The cluster tier's counters of one tenant (``tiers.cluster`` of its row in
         the daemon's report, which the control plane's status page shows)."""
-        with self._lock:
-            row = dict(self._per_tenant.get(tenant.name, {}))
-        hits, misses = row.get("hits", 0), row.get("misses", 0)
-        return {"hits": hits, "misses": misses,
-                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
-                "bytes_out": row.get("bytes_out", 0)}
+        return TierCounters.lookups(self._counters.of(tenant))
 
     # ------------------------------------------------------------ loads
     def fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
@@ -215,7 +199,7 @@ class ClusterTier(Tier):
             for op in ops:
                 if op.target is not None:
                     op.target.release()
-            self._count(tenant, lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
+            self._counters.add(tenant, lookups=len(ok), hits=sum(ok), misses=len(ok) - sum(ok),
                         bytes_in=sum(r.grant.size for r, hit in zip(fetch.reserved, ok)
                                      if hit))
             self._fetches.finish(fetch, ok)  # every verified value fills the read cache
@@ -250,7 +234,7 @@ class ClusterTier(Tier):
         pool = tenant.pool
         total = sum(sizes)
         if self._pending_bytes + total > self._write_behind_limit:
-            self._count(write_behind_dropped=len(keys))
+            self._counters.add(write_behind_dropped=len(keys))
             now = time.monotonic()
             if now - self._dropped_logged_at > _WARN_EVERY_S:
                 self._dropped_logged_at = now
@@ -298,7 +282,7 @@ class ClusterTier(Tier):
         def done(result: Optional[list[bool]]) -> None:
             ok = result or [False] * len(keys)
             good = sum(ok)
-            self._count(tenant, writes=good, write_errors=len(ok) - good,
+            self._counters.add(tenant, writes=good, write_errors=len(ok) - good,
                         bytes_out=sum(len(v) for v, hit in zip(views, ok) if hit))
             for v in views:
                 v.release()
@@ -308,8 +292,8 @@ class ClusterTier(Tier):
 
     # ------------------------------------------------------------ report
     def statistics(self) -> TierStatistics:
+        c = self._counters.totals()
         with self._lock:
-            c = dict(self._c)
             lat = sorted(self._latencies)
 
         def pct(q: float) -> float:

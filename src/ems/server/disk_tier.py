@@ -65,7 +65,7 @@ from ems.server.config import ANONYMOUS, DiskConfig, ServerConfig
 from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentMaps
 from ems.server.tenants import Tenant
-from ems.server.tiers import Loop, Report, Tier
+from ems.server.tiers import Loop, Report, Tier, TierCounters
 
 __all__ = ["DiskTier", "start"]
 
@@ -123,21 +123,10 @@ class DiskTier(Tier):
         self._quota_set: set[str] = set()
         self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._warned_at: dict[str, float] = {}
-        self._lock = threading.Lock()  # counters updated by workers
-        self._c: collections.Counter[str] = collections.Counter()
-        self._per_tenant: dict[str, collections.Counter[str]] = {}
+        self._counters = TierCounters()
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
-    def _count(self, tenant: Optional[Tenant] = None, **kw: int) -> None:
-        with self._lock:
-            self._c.update(kw)
-            if tenant is not None:
-                row = self._per_tenant.get(tenant.name)
-                if row is None:
-                    row = self._per_tenant[tenant.name] = collections.Counter()
-                row.update(kw)
-
     def _warn(self, what: str, message: str) -> None:
         now = time.monotonic()
         if now - self._warned_at.get(what, -_WARN_EVERY_S) >= _WARN_EVERY_S:
@@ -199,7 +188,7 @@ class DiskTier(Tier):
                 break
             run.append(size)
         if not run:
-            self._count(tenant, lookups=1, misses=1)
+            self._counters.add(tenant, lookups=1, misses=1)
             return False
         return self._fetches.plan(tenant, keys[:len(run)], run, done,
                                   lambda fetch: self._read(fetch, deadline))
@@ -227,7 +216,7 @@ class DiskTier(Tier):
             late = [i for i, r in enumerate(now) if r is None]
             ok = [r is ReadResult.HIT for r in now]
             hits = sum(ok)
-            self._count(tenant, lookups=len(ok), hits=hits, misses=len(ok) - hits,
+            self._counters.add(tenant, lookups=len(ok), hits=hits, misses=len(ok) - hits,
                         bytes_in=sum(r.grant.size for r, good in zip(reserved, ok) if good),
                         read_timeouts=len(late) + now.count(ReadResult.TIMEOUT),
                         read_damaged=now.count(ReadResult.DAMAGED),
@@ -282,10 +271,10 @@ class DiskTier(Tier):
         limit = self.config.queue_bytes
         for key, size in zip(keys, sizes):
             if second_hit and not self._seen_before(tenant.name, key):
-                self._count(tenant, not_admitted=1)
+                self._counters.add(tenant, not_admitted=1)
                 continue
             if self._queued_bytes + size > limit:
-                self._count(tenant, queue_dropped=1)
+                self._counters.add(tenant, queue_dropped=1)
                 self._warn("queue", f"{self._queued_bytes} bytes wait for the disk, the "
                                     f"bound (disk.queue): saves are not written to disk "
                                     f"until it drains (counted as queue_dropped)")
@@ -326,7 +315,7 @@ class DiskTier(Tier):
                 continue
             pins = p.tenant.pool.acquire([p.key], [p.size], WRITE_OWNER, count=False)
             if not pins:  # evicted (or deleted) before its turn
-                self._count(p.tenant, evicted_before_write=1)
+                self._counters.add(p.tenant, evicted_before_write=1)
                 continue
             self._inflight_bytes += p.size
             per_tenant[p.tenant.name] = mine + p.size
@@ -350,9 +339,9 @@ class DiskTier(Tier):
         self._inflight_bytes -= p.size
         self._inflight_per_tenant[p.tenant.name] -= p.size
         if result is WriteResult.WRITTEN or result is WriteResult.EXISTS:
-            self._count(p.tenant, writes=1, bytes_out=p.size)
+            self._counters.add(p.tenant, writes=1, bytes_out=p.size)
         else:
-            self._count(p.tenant, **{f"refused_{result.name.lower()}": 1})
+            self._counters.add(p.tenant, **{f"refused_{result.name.lower()}": 1})
             if result is WriteResult.QUOTA:
                 self._warn("quota", f"tenant {p.tenant.name}'s disk share is full and "
                                     f"nothing of it can be evicted: not admitted (counted)")
@@ -363,14 +352,8 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------ report
     def tenant_report(self, tenant: Tenant) -> Report:
-        with self._lock:
-            row = dict(self._per_tenant.get(tenant.name, {}))
-        hits, misses = row.get("hits", 0), row.get("misses", 0)
-        out: Report = {"hits": hits, "misses": misses,
-                       "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                       "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
-                       "bytes_out": row.get("bytes_out", 0), "objects": 0, "used_bytes": 0,
-                       "quota_bytes": None}
+        out = TierCounters.lookups(self._counters.of(tenant))
+        out.update(objects=0, used_bytes=0, quota_bytes=None)
         for t in self.store.statistics().tenants:
             if t.tenant == tenant.name:
                 out.update(objects=t.objects, used_bytes=t.disk_bytes,
@@ -381,14 +364,9 @@ class DiskTier(Tier):
         st = self.store.statistics()
         row = dataclasses.asdict(st)
         row.pop("tenants", None)
-        with self._lock:
-            c = dict(self._c)
-        hits, misses = c.get("hits", 0), c.get("misses", 0)
+        c = self._counters.totals()
         row.update(path=self.config.path, admission=self.config.admission,
-                   tier={"lookups": c.get("lookups", 0), "hits": hits, "misses": misses,
-                         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                         "bytes_in": c.get("bytes_in", 0), "writes": c.get("writes", 0),
-                         "bytes_out": c.get("bytes_out", 0)},
+                   tier={"lookups": c.get("lookups", 0), **TierCounters.lookups(c)},
                    queued_write_bytes=self._queued_bytes,
                    inflight_write_bytes=self._inflight_bytes,
                    admissions_refused={k[len("refused_"):]: v for k, v in c.items()
@@ -450,7 +428,7 @@ class DiskTier(Tier):
             f.cancel()
         flushed = sum(1 for f in done if not f.cancelled() and f.exception() is None
                       and f.result())
-        self._count(flushed_on_stop=flushed)
+        self._counters.add(flushed_on_stop=flushed)
         if jobs:
             logger.info("ems disk: wrote %d of %d objects of shared memory at stop (%s)",
                         flushed, len(jobs), "all" if flushed == len(jobs) else

@@ -37,13 +37,15 @@ own (a fetch's reservations, the pins of values being written out).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from typing import Callable, ClassVar, Optional, Protocol, Sequence
 
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "Report", "Tier"]
+__all__ = ["Extent", "Loop", "Report", "Tier", "TierCounters"]
 
 #: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
 Report = dict[str, object]
@@ -120,3 +122,39 @@ class Tier:
 
     def close(self) -> None:
         """The daemon stops (after the last request was answered)."""
+
+
+class TierCounters:
+    """A tier's counters, in all and per tenant (updated by its workers and its loop
+    side: one lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: collections.Counter[str] = collections.Counter()
+        self._per_tenant: dict[str, collections.Counter[str]] = {}
+
+    def add(self, tenant: Optional[Tenant] = None, **counts: int) -> None:
+        with self._lock:
+            self._all.update(counts)
+            if tenant is not None:
+                row = self._per_tenant.get(tenant.name)
+                if row is None:
+                    row = self._per_tenant[tenant.name] = collections.Counter()
+                row.update(counts)
+
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._all)
+
+    def of(self, tenant: Tenant) -> dict[str, int]:
+        with self._lock:
+            return dict(self._per_tenant.get(tenant.name, {}))
+
+    @staticmethod
+    def lookups(row: dict[str, int]) -> Report:
+        """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
+        hits, misses = row.get("hits", 0), row.get("misses", 0)
+        return {"hits": hits, "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
+                "bytes_out": row.get("bytes_out", 0)}
