@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 from typing import Any, TextIO
@@ -62,6 +63,10 @@ def run_hosts(settings: DemoSettings, args: argparse.Namespace, progress: bool,
     capacity = f"{max(64, 2 * kv['distinct_bytes'] >> 20)}M"  # every block fits each host
     with tempfile.TemporaryDirectory(prefix="ems-demo-hosts-") as tmp, \
             contextlib.ExitStack() as stack:
+        # SIGTERM (a CI timeout, a kill from a terminal): unwind, so the cluster and the
+        # daemons started below are stopped by the stack, not left behind
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        stack.callback(signal.signal, signal.SIGTERM, previous)
         cluster = launcher.up(os.path.join(tmp, "valkey"), nodes=3)
         stack.callback(cluster.stop)
         print(f"cluster: {cluster.seed} (3 primaries on 127.0.0.1)", file=out)
