@@ -34,6 +34,11 @@ returns. A failure drops that lane's connection and counts against the node's br
 (``ems.cluster.topology``). Nothing here raises for a node's failure: the caller gets
 misses.
 
+A write group queued behind a **stuck** write (its lane's running batch has neither
+sent nor received for :data:`WRITE_STUCK_S`: a hung or cut-off node) gives up at once
+instead of at its deadline, so a run of saves to a hung node does not hold the
+caller's threads for their whole bound (the node's breaker then skips it).
+
 A group's life on its lane::
 
     QUEUED --(its lane's thread takes it, before the deadline)--> RUNNING --> DONE
@@ -76,6 +81,14 @@ _NARROW_FROM = 16 << 10
 _BUFFER_ALL = 1 << 30  # no limit: each fill takes what the buffer has room for
 #: The two lanes of a node (module docstring): an op's kind picks one.
 READ, WRITE = "read", "write"
+#: A write lane whose running batch has not sent or received for this long is stuck
+#: (a hung or cut-off node): write groups queued behind it give up at once instead of
+#: at their deadlines. The tier's worker threads are shared by reads and writes, and
+#: each write batch holds one until run() returns: four saves to a hung node held all
+#: four for their 2 s bound and a load behind them got EMS_IO_TIMEOUT (tests/netns).
+#: A healthy lane arms a wait per sendmsg and per recv, far more often than this.
+WRITE_STUCK_S = 0.25
+_POLL_S = 0.05
 _Lane = tuple[Addr, str]
 
 
@@ -149,6 +162,7 @@ class ClusterClient:
         self._refresh_lock = threading.Lock()
         self._executors: dict[_Lane, ThreadPoolExecutor] = {}
         self._conns: dict[_Lane, _Conn] = {}  # each used only by its lane's thread
+        self._started: dict[_Lane, float] = {}  # lane -> when its running group began
         self._ssl: Optional[ssl.SSLContext] = tls_context(settings)
         self._closed = False
         self.down_logged = False
@@ -173,18 +187,16 @@ class ClusterClient:
                 op.moved, op.ask, op.ok = False, None, False
             if not groups:
                 break
-            running: list[tuple[Future, _Group, list[Op]]] = []
+            running: list[tuple[Future, _Group, list[Op], _Lane]] = []
             for (addr, asking, lane), group in groups.items():
                 ex = self._executor((addr, lane))
                 if ex is None:
                     continue
                 g = _Group()
                 running.append((ex.submit(self._run_group, g, addr, lane, group, deadline,
-                                          asking), g, group))
-            for f, g, group in running:
-                try:  # a lane busy with an earlier batch must not hold this one
-                    f.result(max(0.0, deadline - time.monotonic()) + REARM_S)
-                except TimeoutError:
+                                          asking), g, group, (addr, lane)))
+            for f, g, group, key in running:
+                if not self._wait(f, key, deadline):
                     if g.abandon():
                         for op in group:
                             op.ok, op.moved, op.ask = False, False, None
@@ -195,6 +207,27 @@ class ClusterClient:
                 break
         for op in pending:  # out of redirect rounds
             op.ok = False
+
+    def _wait(self, f: Future, key: _Lane, deadline: float) -> bool:
+        """Wait for a group: False when it is still queued at its deadline (its lane
+        busy with an earlier batch) or, for a write, behind a stuck one."""
+        while True:
+            left = deadline - time.monotonic()
+            step = left + REARM_S if key[1] == READ else min(left + REARM_S, _POLL_S)
+            try:
+                f.result(max(0.0, step))
+                return True
+            except TimeoutError:
+                if left <= 0 or (key[1] == WRITE and self._stuck(key)):
+                    return False
+
+    def _stuck(self, key: _Lane) -> bool:
+        started = self._started.get(key, 0.0)
+        if not started:
+            return False
+        conn = self._conns.get(key)
+        last = max(started, conn.reader.deadline.progressed if conn is not None else 0.0)
+        return time.monotonic() - last > WRITE_STUCK_S
 
     def command(self, addr: Addr, *args: Any, timeout_s: float = 1.0) -> Any:
         """One control command on a fresh connection (stats, tests); raises OSError."""
@@ -210,7 +243,11 @@ class ClusterClient:
     def _run_group(self, group: _Group, addr: Addr, lane: str, ops: list[Op],
                    deadline: float, asking: bool) -> None:
         if group.claim(deadline):
-            self._run_node((addr, lane), ops, deadline, asking)
+            self._started[(addr, lane)] = time.monotonic()
+            try:
+                self._run_node((addr, lane), ops, deadline, asking)
+            finally:
+                self._started[(addr, lane)] = 0.0
 
     def _run_node(self, key: _Lane, ops: list[Op], deadline: float, asking: bool) -> None:
         addr = key[0]

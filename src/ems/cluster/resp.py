@@ -67,12 +67,15 @@ class Deadline:
     """The deadline of one socket's waits (``time.monotonic()``; None: the socket's
     own timeout alone). :meth:`arm` before each blocking call."""
 
-    __slots__ = ("sock", "at", "_armed")
+    __slots__ = ("sock", "at", "_armed", "progressed")
 
     def __init__(self, sock: socket.socket, at: Optional[float] = None) -> None:
         self.sock = sock
         self.at = at
         self._armed = -1.0  # when settimeout was last called for ``at``
+        #: when the last wait began (the one before it ended): a socket that
+        #: makes progress calls :meth:`arm` often
+        self.progressed = 0.0
 
     def set(self, at: Optional[float]) -> None:
         """A new deadline (the next :meth:`arm` sets the socket's timeout)."""
@@ -85,7 +88,7 @@ class Deadline:
         at = self.at
         if at is None:
             return
-        now = time.monotonic()
+        now = self.progressed = time.monotonic()
         if now >= at:
             raise socket.timeout("past the request's deadline")
         if now - self._armed > REARM_S:
