@@ -60,11 +60,14 @@ from typing import Any, Callable, Optional, TypeVar
 from ems.cluster import launcher
 from ems.cluster.keys import SLOTS, hash_slot
 
-__all__ = ["NODE_PORT", "NetBed", "unavailable"]
+__all__ = ["NODE_PORT", "PORTS", "NetBed", "in_netns", "unavailable"]
 
 T = TypeVar("T")
 
 NODE_PORT = 7000
+#: every host's ports a node may listen on (the relay forwards each): the primary,
+#: its replica of another host's primary, one added later (:meth:`NetBed.add_node`)
+PORTS = (NODE_PORT, NODE_PORT + 1, NODE_PORT + 2)
 _CLONE_NEWNET = 0x40000000
 _SWITCH_ADDR = "10.77.255.254"
 
@@ -127,16 +130,19 @@ def in_netns(name: str, fn: Callable[[], T]) -> T:
 
 class NetBed:
     """See the module docstring. ``hosts`` namespaces, one Valkey primary each
-    (slots split evenly: node j owns the j-th range); ``relay`` False: clients reach
-    the nodes directly (figures of the bare veth path), no :meth:`impair`."""
+    (slots split evenly: node j owns the j-th range) on port 7000; ``replicas``: host
+    j+1 also runs a replica of node j on port 7001 (the last host's replicates host
+    1's); ``relay`` False: clients reach the nodes directly (figures of the bare veth
+    path), no :meth:`impair`."""
 
     def __init__(self, hosts: int = 3, directory: Optional[str] = None, *,
-                 relay: bool = True, node_timeout_ms: int = 2000,
+                 relay: bool = True, replicas: bool = False, node_timeout_ms: int = 2000,
                  maxmemory: str = "256mb") -> None:
         if not 1 <= hosts <= 200:
             raise ValueError("hosts must be 1..200")
         self.hosts = hosts
         self.relay = relay
+        self.replicas = replicas
         self.prefix = f"ems{os.getpid()}x{random.randrange(1 << 16):04x}-"
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="ems-netbed-")
@@ -144,7 +150,8 @@ class NetBed:
         self._maxmemory = maxmemory
         self.namespaces: list[str] = []
         self.procs: list[subprocess.Popen] = []
-        self.nodes: dict[int, subprocess.Popen] = {}
+        #: (host, port) -> the valkey-server there
+        self.nodes: dict[tuple[int, int], subprocess.Popen] = {}
         self._servers: list[Any] = []  # context managers of run_server
         self._relay: Optional[subprocess.Popen] = None
         self._rules: dict[tuple[int, int], dict[str, Any]] = {}
@@ -224,6 +231,9 @@ class NetBed:
             self._start_relay()
         for j in range(1, self.hosts + 1):
             self._start_node(j)
+        if self.replicas:
+            for j in range(1, self.hosts + 1):
+                self._start_node(j % self.hosts + 1, NODE_PORT + 1)
         self._form_cluster(time.monotonic() + 30)
 
     def _netns_add(self, name: str) -> None:
@@ -239,7 +249,8 @@ class NetBed:
     def _start_relay(self) -> None:
         args = [sys.executable, "-m", "ems.testing.relay"]
         for j in range(1, self.hosts + 1):
-            args += ["--listen", f"{j}=10.77.1.{j}:{NODE_PORT}={self.addr(j)}:{NODE_PORT}"]
+            for port in PORTS:
+                args += ["--listen", f"{j}=10.77.1.{j}:{port}={self.addr(j)}:{port}"]
         for i in range(1, self.hosts + 1):
             args += ["--host", f"{i}={self.addr(i)}"]
         env = dict(os.environ)
@@ -252,10 +263,10 @@ class NetBed:
         if line != "ready":
             raise RuntimeError(f"the relay did not start (said {line!r})")
 
-    def _start_node(self, j: int) -> None:
-        ndir = os.path.join(self.directory, f"node{j}")
+    def _start_node(self, j: int, port: int = NODE_PORT) -> None:
+        ndir = os.path.join(self.directory, f"node{j}-{port}")
         os.makedirs(ndir, exist_ok=True)
-        args = [launcher.server_binary(), "--port", str(NODE_PORT), "--bind", self.addr(j),
+        args = [launcher.server_binary(), "--port", str(port), "--bind", self.addr(j),
                 "--dir", ndir, "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self._node_timeout_ms),
@@ -266,13 +277,16 @@ class NetBed:
                 "--logfile", os.path.join(ndir, "valkey.log"), "--daemonize", "no"]
         if self.relay:
             args += ["--cluster-announce-client-ipv4", self.client_addr(j)]
-        self.nodes[j] = self._spawn(self.ns(j), args, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.nodes[(j, port)] = self._spawn(self.ns(j), args, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
 
-    def call(self, node: int, *args: Any, timeout_s: float = 2.0) -> Any:
-        """One command to node ``node`` (from the switch namespace, direct)."""
+    def call(self, node: int, *args: Any, timeout_s: float = 2.0, port: int = NODE_PORT
+             ) -> Any:
+        """One command to the node on host ``node`` (from the switch namespace, direct;
+        ``port`` 7001: its replica, 7002: one added)."""
         return in_netns(self.switch, lambda: launcher.call(
-            NODE_PORT, *args, timeout_s=timeout_s, host=self.addr(node)))
+            port, *args, timeout_s=timeout_s, host=self.addr(node)))
 
     def _form_cluster(self, deadline: float) -> None:
         nodes = range(1, self.hosts + 1)
@@ -293,12 +307,34 @@ class NetBed:
             lo, hi = self.slot_range(j)
             _ok(self.call(j, "CLUSTER", "ADDSLOTSRANGE", lo, hi))
             _ok(self.call(j, "CLUSTER", "SET-CONFIG-EPOCH", j))
-        for j in nodes:
-            if j > 1:
-                _ok(self.call(j, "CLUSTER", "MEET", self.addr(1), NODE_PORT))
-        wait(lambda: all("cluster_state:ok" in self.call(j, "CLUSTER", "INFO").decode()
-                         and self.call(j, "CLUSTER", "NODES").decode().count("connected")
-                         >= self.hosts for j in nodes), "no cluster_state:ok")
+        every = list(self.nodes)
+        for j, port in every[1:]:
+            _ok(self.call(j, "CLUSTER", "MEET", self.addr(1), NODE_PORT, port=port))
+        wait(lambda: all(self.call(j, "CLUSTER", "NODES", port=port).decode()
+                         .count("connected") >= len(every) for j, port in every),
+             "the nodes did not all meet")
+        if self.replicas:
+            for j in nodes:
+                primary = self.call(j, "CLUSTER", "MYID").decode()
+                _ok(self.call(j % self.hosts + 1, "CLUSTER", "REPLICATE", primary,
+                              port=NODE_PORT + 1))
+        wait(lambda: all("cluster_state:ok" in self.call(j, "CLUSTER", "INFO", port=port)
+                         .decode() for j, port in every), "no cluster_state:ok")
+
+    def add_node(self, host: int, port: int = NODE_PORT + 2) -> str:
+        """Start an empty primary on ``host``:``port`` and join it (no slots yet);
+        its node id."""
+        self._start_node(host, port)
+        deadline = time.monotonic() + 15
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                if self.call(host, "PING", timeout_s=0.5, port=port) == "PONG":
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node on host {host} port {port} did not start")
+            time.sleep(0.05)
+        _ok(self.call(host, "CLUSTER", "MEET", self.addr(1), NODE_PORT, port=port))
+        return str(self.call(host, "CLUSTER", "MYID", port=port).decode())
 
     def server(self, host: int, **kw: Any) -> Any:
         """Start an ``ems-server --cluster <bed seed>`` in ``host``'s namespace (the
@@ -342,19 +378,26 @@ class NetBed:
         if relay.stdout.readline().strip() != "ok":
             raise RuntimeError("the relay did not take the rules")
 
-    def stop_node(self, node: int) -> None:
-        """SIGSTOP the node's valkey-server (a hung node)."""
-        self.nodes[node].send_signal(signal.SIGSTOP)
+    def stop_node(self, node: int, port: int = NODE_PORT) -> None:
+        """SIGSTOP the valkey-server on host ``node`` (a hung node)."""
+        self.nodes[(node, port)].send_signal(signal.SIGSTOP)
 
-    def cont_node(self, node: int) -> None:
-        self.nodes[node].send_signal(signal.SIGCONT)
+    def cont_node(self, node: int, port: int = NODE_PORT) -> None:
+        self.nodes[(node, port)].send_signal(signal.SIGCONT)
+
+    def kill_node(self, node: int, port: int = NODE_PORT) -> None:
+        """SIGKILL the valkey-server on host ``node`` (by its pid) and reap it."""
+        proc = self.nodes[(node, port)]
+        proc.kill()
+        proc.wait(5)
 
     def heal(self) -> None:
         """Every port up, every rule gone, every node running."""
         for i in range(1, self.hosts + 1):
             self.uncut(i)
-        for j in self.nodes:
-            self.cont_node(j)
+        for proc in self.nodes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
         if self._relay is not None and self._rules:
             self._rules.clear()
             self._tell_relay()
