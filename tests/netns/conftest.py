@@ -117,12 +117,14 @@ def bed(tmp_path_factory) -> Iterator[Any]:
 
 @pytest.fixture
 def net(bed):
-    """The module's bed, healed after the test (pass or fail)."""
+    """The module's bed, healed after the test (pass or fail), every node back at
+    ``cluster_state:ok``."""
     b, hosts = bed
     try:
         yield b, hosts
     finally:
         b.heal()
+        b.wait_ok()  # a primary that was cut off refuses writes for a while
 
 
 def wait_stored(bed: netns.NetBed, keys: list[str], timeout_s: float = 10.0) -> None:

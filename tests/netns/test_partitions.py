@@ -104,10 +104,14 @@ def test_a_host_cut_off_serves_locally_and_heals(net):
         assert got.error is None and (got.hits, got.wrong) == (0, 0), got
         assert got.took_s < 1.0, got
     bed.uncut(1)
+    t0 = time.monotonic()
     healed = heal_time(h[1], shared[9], SMALL)
+    bed.wait_ok()  # node 1 (on host 1) was in a minority: it refuses writes a while
+    writable = time.monotonic() - t0
     print(f"\nhost 1 cut off: local load of 8 keys {own.took_s * 1000:.1f} ms; remote "
           f"misses in {[round(g.took_s * 1000) for g in misses]} ms (deadline 1000 ms); "
-          f"cluster hits again {healed:.2f} s after the heal")
+          f"cluster hits again {healed:.2f} s after the heal; its node takes writes "
+          f"again after {writable:.2f} s")
 
 
 def test_an_asymmetric_partition(net):

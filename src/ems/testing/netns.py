@@ -402,6 +402,23 @@ class NetBed:
             self._rules.clear()
             self._tell_relay()
 
+    def wait_ok(self, timeout_s: float = 15.0) -> float:
+        """Until every running node says ``cluster_state:ok`` (a primary that was cut
+        off from the majority refuses writes for a rejoin delay after the heal:
+        Valkey's ``cluster-node-timeout``, 0.5-5 s); the seconds it took."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                if all("cluster_state:ok" in self.call(j, "CLUSTER", "INFO", port=port,
+                                                       timeout_s=0.5).decode()
+                       for (j, port), proc in self.nodes.items() if proc.poll() is None):
+                    return time.monotonic() - t0
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError("the bed's cluster did not return to cluster_state:ok")
+            time.sleep(0.05)
+
     @property
     def impairment(self) -> str:
         """One line for a test's output: how the links are impaired here."""
