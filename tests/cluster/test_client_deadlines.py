@@ -72,6 +72,10 @@ class ScriptedNode:
 
     def close(self) -> None:
         self.stop.set()
+        try:  # wakes the accept() of the accepting thread (close alone does not)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
 
 

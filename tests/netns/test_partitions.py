@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from conftest import HEAL_BOUND_S, heal_time, keys_on, wait_stored
+from netns_support import HEAL_BOUND_S, heal_time, keys_on, wait_stored
 
 SMALL = 64 << 10
 MIB = 1 << 20

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import Host, ckey, keys_on, wait_stored
+from netns_support import Host, ckey, keys_on, wait_stored
 
 from ems import PrimaryKey
 from ems.cluster.keys import hash_slot
@@ -67,7 +67,10 @@ def test_a_node_added_and_a_slot_moved_to_it_under_load(rbed):
                              *names[i:i + 4])
             assert not isinstance(reply, ErrorReply), reply
             time.sleep(0.02)
-        for j, p in list(bed.nodes):  # every node learns the slot's new owner
+        # every node learns the slot's new owner: the new node first, then the old
+        # (else a read MOVED to the new node, still IMPORTING, is MOVED back)
+        order = [(3, port), (src, netns.NODE_PORT)]
+        for j, p in order + [n for n in bed.nodes if n not in order]:
             bed.call(j, "CLUSTER", "SETSLOT", slot, "NODE", new_id, port=p)
     finally:
         t.join(60)
