@@ -88,6 +88,19 @@ def test_a_trickling_link_returns_the_leading_hits_by_the_deadline(net):
           f"budget 1600 ms); cluster hits {healed:.2f} s after the link recovered")
 
 
+def test_a_lossy_link_returns_the_leading_hits_by_the_deadline(net):
+    bed, h = net
+    keys = [f"lossy-{i}" for i in range(64)]
+    assert h[2].save(keys, MIB, write_rcache=False) == 64
+    bed.impair(1, 0, loss=0.3)  # 30% of chunks held back 200 ms, in order
+    got = h[1].load(keys, MIB, timeout_ms=2000)
+    bed.impair(1, 0)
+    assert got.error is None and got.wrong == 0, got
+    assert got.took_s < 2.0, got
+    print(f"\nhost 1's links at 30% loss: a 64 x 1 MiB load returned {got.hits} leading "
+          f"hits in {got.took_s * 1000:.0f} ms (deadline 2000 ms, tier budget 1600 ms)")
+
+
 def test_a_host_cut_off_serves_locally_and_heals(net):
     bed, h = net
     shared = [f"cut-shared-{i}" for i in range(40)]
