@@ -2,26 +2,48 @@
 
 A batch (:meth:`ClusterClient.run`) is grouped by the node that owns each key's slot;
 each node's group goes out as one pipelined write and its replies are read in order,
-all nodes in parallel (one thread per node, which alone uses that node's connection).
-A GET's value goes from the socket straight into the memory the caller gave for it
-(``ems.cluster.resp``); it counts as a hit only once its header (magic, size, key) and
-its XXH3-64 checksum are verified (``ems.cluster.value``). A SET sends the header and
-the caller's memory with ``sendmsg`` (gathered, never joined into one ``bytes``).
+all nodes in parallel. A GET's value goes from the socket straight into the memory the
+caller gave for it (``ems.cluster.resp``); it counts as a hit only once its header
+(magic, size, key) and its XXH3-64 checksum are verified (``ems.cluster.value``). A SET
+sends the header and the caller's memory with ``sendmsg`` (gathered, never joined into
+one ``bytes``).
+
+Each node has two **lanes**, each a connection of its own and the one thread that uses
+it: reads (GET, STRLEN, EXISTS) and writes (SET). A read never waits behind a write to
+the same node: a write-behind of many MiB to a slow node, or one stuck on a hung node
+until its own deadline, leaves that node's read lane free. (Strict priority on one
+connection cannot give this: a pipeline already sent must be read to its end before
+the next request's replies.)
 
 One batch::
 
     refresh the slot map (when stale; at most every refresh_s)
-      -> group by node (a node whose breaker is open: its keys miss, no I/O)
-      -> per node, in parallel: connect (if needed), send all, read all
+      -> group by node and lane (a node whose breaker is open: its keys miss, no I/O)
+      -> per node and lane, in parallel: connect (if needed), send all, read all
       -> MOVED: patch the slot map, retry on the new owner; ASK: retry there after
          ASKING (at most max_redirects rounds)
       -> per op: True (stored / verified hit) or False (miss, failure, past deadline)
 
-Timeouts: every connect, send and receive waits at most what is left of the batch's
-deadline (a connect at most ``connect_timeout_s``), so a dead or hung node makes its
-own keys miss by the deadline while the other nodes' keys hit. A failure drops that
-node's connection and counts against its breaker (``ems.cluster.topology``). Nothing
-here raises for a node's failure: the caller gets misses.
+Deadlines: every connect, send and ``recv`` waits at most what is left of the batch's
+deadline (a connect at most ``connect_timeout_s``), per ``recv``, not per reply, so a
+value that trickles in is cut off at the deadline (``ems.cluster.resp``) and its op
+is a miss. A group still queued on its lane at the deadline (the lane busy with an
+earlier batch) is given up without being sent: :meth:`ClusterClient.run` returns by
+the deadline (+ ``resp.REARM_S``) whatever the nodes do, and no op is touched after it
+returns. A failure drops that lane's connection and counts against the node's breaker
+(``ems.cluster.topology``). Nothing here raises for a node's failure: the caller gets
+misses.
+
+A write group queued behind a **stuck** write (its lane's running batch has neither
+sent nor received for :data:`WRITE_STUCK_S`: a hung or cut-off node) gives up at once
+instead of at its deadline, so a run of saves to a hung node does not hold the
+caller's threads for their whole bound (the node's breaker then skips it).
+
+A group's life on its lane::
+
+    QUEUED --(its lane's thread takes it, before the deadline)--> RUNNING --> DONE
+       |                                                  (I/O bounded by the deadline)
+       +--(the deadline passes first: run() gives it up)--> ABANDONED (never sent)
 """
 
 from __future__ import annotations
@@ -31,13 +53,15 @@ import socket
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from ems.cluster import value
 from ems.cluster.keys import hash_slot
 from ems.cluster.resp import (
     NARROW_FILL,
+    REARM_S,
+    Deadline,
     ErrorReply,
     Reader,
     RespError,
@@ -55,11 +79,17 @@ _MAX_NODES = 256
 #: GETs of values at least this large read with narrow fills (``ems.cluster.resp``)
 _NARROW_FROM = 16 << 10
 _BUFFER_ALL = 1 << 30  # no limit: each fill takes what the buffer has room for
-#: The socket timeout (what is left of the deadline) is set again after this long: a
-#: settimeout per reply is an ioctl per key (py-spy on a daemon loading 256 KiB
-#: values: 40 samples in it against 457 in recv_into), and a read may then overrun
-#: the deadline by at most this much.
-_REARM_S = 0.001
+#: The two lanes of a node (module docstring): an op's kind picks one.
+READ, WRITE = "read", "write"
+#: A write lane whose running batch has not sent or received for this long is stuck
+#: (a hung or cut-off node): write groups queued behind it give up at once instead of
+#: at their deadlines. The tier's worker threads are shared by reads and writes, and
+#: each write batch holds one until run() returns: four saves to a hung node held all
+#: four for their 2 s bound and a load behind them got EMS_IO_TIMEOUT (tests/netns).
+#: A healthy lane arms a wait per sendmsg and per recv, far more often than this.
+WRITE_STUCK_S = 0.25
+_POLL_S = 0.05
+_Lane = tuple[Addr, str]
 
 
 class Op:
@@ -82,12 +112,44 @@ class Op:
         self.ask: Optional[Addr] = None
 
 
+def lane_of(op: Op) -> str:
+    """The lane an op goes on: SET writes, everything else reads."""
+    return WRITE if op.kind == "set" else READ
+
+
 class _Conn:
     __slots__ = ("sock", "reader")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.reader = Reader(sock)
+
+
+class _Group:
+    """One node's and lane's ops of a batch: QUEUED -> RUNNING -> DONE, or QUEUED ->
+    ABANDONED (module docstring). ``claim`` and ``abandon`` decide under the lock which
+    of the lane's thread and :meth:`ClusterClient.run` owns the ops."""
+
+    __slots__ = ("lock", "state")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state = "queued"
+
+    def claim(self, deadline: float) -> bool:
+        with self.lock:
+            if self.state != "queued" or time.monotonic() >= deadline:
+                self.state = "abandoned"
+                return False
+            self.state = "running"
+            return True
+
+    def abandon(self) -> bool:
+        """True when the group had not started (it never will)."""
+        with self.lock:
+            if self.state == "queued":
+                self.state = "abandoned"
+            return self.state == "abandoned"
 
 
 class ClusterClient:
@@ -98,8 +160,9 @@ class ClusterClient:
         self.slots = SlotMap(settings)
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
-        self._executors: dict[Addr, ThreadPoolExecutor] = {}
-        self._conns: dict[Addr, _Conn] = {}  # each used only by its node's thread
+        self._executors: dict[_Lane, ThreadPoolExecutor] = {}
+        self._conns: dict[_Lane, _Conn] = {}  # each used only by its lane's thread
+        self._started: dict[_Lane, float] = {}  # lane -> when its running group began
         self._ssl: Optional[ssl.SSLContext] = tls_context(settings)
         self._closed = False
         self.down_logged = False
@@ -108,54 +171,93 @@ class ClusterClient:
 
     # ------------------------------------------------------------ batches
     def run(self, ops: Sequence[Op], deadline: float) -> None:
-        """Run ``ops`` by ``deadline`` (``time.monotonic()``); sets each ``op.ok``."""
+        """Run ``ops`` by ``deadline`` (``time.monotonic()``); sets each ``op.ok``.
+        Returns by the deadline (+ ``resp.REARM_S``); no op is touched after."""
         pending = list(ops)
         for _ in range(self.settings.max_redirects + 1):
             self._maybe_refresh(deadline)
-            groups: dict[tuple[Addr, bool], list[Op]] = {}
+            groups: dict[tuple[Addr, bool, str], list[Op]] = {}
             now = time.monotonic()
             for op in pending:
                 addr = op.ask or self.slots.node_of(op.slot)
                 if addr is None or now >= deadline or not self.slots.usable(addr, now):
                     op.ok = False
                     continue
-                groups.setdefault((addr, op.ask is not None), []).append(op)
+                groups.setdefault((addr, op.ask is not None, lane_of(op)), []).append(op)
                 op.moved, op.ask, op.ok = False, None, False
             if not groups:
                 break
-            futures = []
-            for (addr, asking), group in groups.items():
-                ex = self._executor(addr)
+            running: list[tuple[Future, _Group, list[Op], _Lane]] = []
+            for (addr, asking, lane), group in groups.items():
+                ex = self._executor((addr, lane))
                 if ex is None:
                     continue
-                futures.append(ex.submit(self._run_node, addr, group, deadline, asking))
-            for f in futures:
-                f.result()  # never raises; bounded by the socket timeouts
+                g = _Group()
+                running.append((ex.submit(self._run_group, g, addr, lane, group, deadline,
+                                          asking), g, group, (addr, lane)))
+            for f, g, group, key in running:
+                if not self._wait(f, key, deadline):
+                    if g.abandon():
+                        for op in group:
+                            op.ok, op.moved, op.ask = False, False, None
+                    else:  # running: its I/O ends by the deadline; the ops are its own
+                        f.result()
             pending = [op for op in pending if op.moved or op.ask is not None]
             if not pending:
                 break
         for op in pending:  # out of redirect rounds
             op.ok = False
 
+    def _wait(self, f: Future, key: _Lane, deadline: float) -> bool:
+        """Wait for a group: False when it is still queued at its deadline (its lane
+        busy with an earlier batch) or, for a write, behind a stuck one."""
+        while True:
+            left = deadline - time.monotonic()
+            step = left + REARM_S if key[1] == READ else min(left + REARM_S, _POLL_S)
+            try:
+                f.result(max(0.0, step))
+                return True
+            except TimeoutError:
+                if left <= 0 or (key[1] == WRITE and self._stuck(key)):
+                    return False
+
+    def _stuck(self, key: _Lane) -> bool:
+        started = self._started.get(key, 0.0)
+        if not started:
+            return False
+        conn = self._conns.get(key)
+        last = max(started, conn.reader.deadline.progressed if conn is not None else 0.0)
+        return time.monotonic() - last > WRITE_STUCK_S
+
     def command(self, addr: Addr, *args: Any, timeout_s: float = 1.0) -> Any:
         """One control command on a fresh connection (stats, tests); raises OSError."""
-        sock = self._connect(addr, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        sock = self._connect(addr, deadline)
         try:
             sock.sendall(command(*args))
-            return Reader(sock).reply()
+            return Reader(sock, deadline=deadline).reply()
         finally:
             sock.close()
 
     # ------------------------------------------------------------ one node
-    def _run_node(self, addr: Addr, ops: list[Op], deadline: float, asking: bool) -> None:
+    def _run_group(self, group: _Group, addr: Addr, lane: str, ops: list[Op],
+                   deadline: float, asking: bool) -> None:
+        if group.claim(deadline):
+            self._started[(addr, lane)] = time.monotonic()
+            try:
+                self._run_node((addr, lane), ops, deadline, asking)
+            finally:
+                self._started[(addr, lane)] = 0.0
+
+    def _run_node(self, key: _Lane, ops: list[Op], deadline: float, asking: bool) -> None:
+        addr = key[0]
         h = self.slots.health(addr)
         try:
-            conn = self._conns.get(addr)
+            conn = self._conns.get(key)
             if conn is None:
-                conn = self._conns[addr] = _Conn(self._connect(addr, deadline))
+                conn = self._conns[key] = _Conn(self._connect(addr, deadline))
             sock, reader = conn.sock, conn.reader
-            _timeout(sock, deadline)
-            armed = time.monotonic()  # when the timeout was last set
+            reader.deadline.set(deadline)  # every send and recv waits within it
             parts: list[Any] = []
             asking_cmd = command("ASKING") if asking else b""
             for op in ops:
@@ -169,15 +271,10 @@ class ClusterClient:
                     parts.append(command("EXISTS", op.key))
                 else:
                     parts.extend(set_parts(op.key, op.parts))
-            sent = send_parts(sock, parts) if self._ssl is None else _send_tls(sock, parts)
+            sent = (send_parts(sock, parts, reader.deadline) if self._ssl is None
+                    else _send_tls(sock, parts, reader.deadline))
             got = 0
             for op in ops:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise socket.timeout("past the request's deadline")
-                if now - armed > _REARM_S:  # not a settimeout syscall per reply
-                    _timeout(sock, deadline)
-                    armed = now
                 if asking:
                     reader.reply()  # +OK
                 # a large value goes from the socket into its target, not via the buffer
@@ -192,14 +289,14 @@ class ClusterClient:
         except (OSError, RespError, ValueError) as exc:
             for op in ops:
                 op.ok, op.moved, op.ask = False, False, None
-            self._drop(addr)
+            self._drop(key)
             why = "timeout" if isinstance(exc, socket.timeout) else f"{type(exc).__name__}: {exc}"
             self.slots.failed(addr, why)
         except Exception:  # noqa: BLE001 - a bug: the node's keys miss, the daemon lives
             logger.exception("ems cluster: internal error talking to %s:%d", *addr)
             for op in ops:
                 op.ok = False
-            self._drop(addr)
+            self._drop(key)
 
     def _read_reply(self, reader: Reader, op: Op, addr: Addr) -> int:
         """Read ``op``'s reply; the bytes of value read."""
@@ -297,7 +394,7 @@ class ClusterClient:
                 sock = self._connect(addr, deadline)
                 try:
                     sock.sendall(command("CLUSTER", "SLOTS"))
-                    reply = Reader(sock).reply()
+                    reply = Reader(sock, deadline=deadline).reply()
                 finally:
                     sock.close()
             except (OSError, RespError) as exc:
@@ -319,18 +416,18 @@ class ClusterClient:
         return False
 
     # ------------------------------------------------------------ connections
-    def _executor(self, addr: Addr) -> Optional[ThreadPoolExecutor]:
+    def _executor(self, key: _Lane) -> Optional[ThreadPoolExecutor]:
         with self._lock:
             if self._closed:
                 return None
-            ex = self._executors.get(addr)
+            ex = self._executors.get(key)
             if ex is None:
-                if len(self._executors) >= _MAX_NODES:
+                if len(self._executors) >= 2 * _MAX_NODES:
                     logger.warning("ems cluster: more than %d nodes; ignoring %s:%d",
-                                   _MAX_NODES, *addr)
+                                   _MAX_NODES, *key[0])
                     return None
-                ex = self._executors[addr] = ThreadPoolExecutor(
-                    1, thread_name_prefix=f"ems-cluster-{addr[1]}")
+                ex = self._executors[key] = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"ems-cluster-{key[0][1]}-{key[1]}")
             return ex
 
     def _connect(self, addr: Addr, deadline: float) -> socket.socket:
@@ -346,7 +443,7 @@ class ClusterClient:
             if self.settings.password is not None:
                 args = ["AUTH"] + ([self.settings.username] if self.settings.username else [])
                 sock.sendall(command(*args, self.settings.password))
-                reply = Reader(sock, 4096).reply()
+                reply = Reader(sock, 4096, deadline).reply()
                 if reply != "OK":
                     raise ConnectionRefusedError(f"AUTH refused by {addr[0]}:{addr[1]}: "
                                                  f"{str(reply)[:80]}")
@@ -355,8 +452,8 @@ class ClusterClient:
             raise
         return sock
 
-    def _drop(self, addr: Addr) -> None:
-        conn = self._conns.pop(addr, None)
+    def _drop(self, key: _Lane) -> None:
+        conn = self._conns.pop(key, None)
         if conn is not None:
             try:
                 conn.sock.close()
@@ -369,21 +466,15 @@ class ClusterClient:
             executors, self._executors = list(self._executors.values()), {}
         for ex in executors:
             ex.shutdown(wait=True)
-        for addr in list(self._conns):
-            self._drop(addr)
+        for key in list(self._conns):
+            self._drop(key)
 
 
-def _timeout(sock: socket.socket, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise socket.timeout("past the request's deadline")
-    sock.settimeout(remaining)
-
-
-def _send_tls(sock: socket.socket, parts: Sequence[Any]) -> int:
+def _send_tls(sock: socket.socket, parts: Sequence[Any], deadline: Deadline) -> int:
     """TLS sockets have no sendmsg: each part with sendall (still no join)."""
     total = 0
     for p in parts:
+        deadline.arm()
         sock.sendall(p)
         total += len(p)
     return total

@@ -98,12 +98,12 @@ class Node:
 
 
 def call(port: int, *args: Any, timeout_s: float = 2.0, password: Optional[str] = None,
-         tls: Optional[ssl.SSLContext] = None) -> Any:
-    """One command to 127.0.0.1:``port`` on a fresh connection (over ``tls`` when
+         tls: Optional[ssl.SSLContext] = None, host: str = "127.0.0.1") -> Any:
+    """One command to ``host``:``port`` on a fresh connection (over ``tls`` when
     given; after AUTH when a ``password`` is given)."""
-    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    raw = socket.create_connection((host, port), timeout=timeout_s)
     try:
-        sock = raw if tls is None else tls.wrap_socket(raw, server_hostname="127.0.0.1")
+        sock = raw if tls is None else tls.wrap_socket(raw, server_hostname=host)
     except BaseException:
         raw.close()
         raise

@@ -9,7 +9,9 @@ GB/s (``../shared/notes/peers.md``). So:
   store is not encoded: :func:`set_parts` gives the buffers of a SET (the command's
   head, the value's own memoryviews, the trailing CRLF) for ``sendmsg``, which
   gathers them without a copy (:func:`send_parts`).
-* :class:`Reader` reads replies from a blocking socket whose timeout the caller set.
+* :class:`Reader` reads replies from a socket in timeout mode; with
+  :attr:`Reader.deadline` set, every ``recv`` waits at most what is left of it (see
+  "Deadlines" below).
   Simple strings, errors, integers and arrays come back as Python objects (they are
   small); a bulk string is either returned as ``bytes`` (:meth:`Reader.reply`, for
   control commands) or handed to the caller, who gets its length first and then
@@ -23,6 +25,14 @@ GB/s (``../shared/notes/peers.md``). So:
   the line and the value's header and leaves the value in the socket for
   ``recv_into`` its target.
 
+Deadlines: a socket timeout bounds one ``recv``, not a reply: a value that trickles in
+(a byte a second) would keep a reply going past any timeout that is armed once per
+call. So each ``recv`` (and each ``sendmsg`` of :func:`send_parts`) first checks the
+clock against the deadline (``socket.timeout`` once it has passed) and, at most once
+per :data:`REARM_S`, sets the socket's timeout to what is left: ``settimeout`` costs
+an ``ioctl``, once per reply was 8% of a daemon's samples loading 256 KiB values
+(py-spy), so a wait may overrun the deadline by at most ``REARM_S``.
+
 Errors: an OSError or ``socket.timeout`` from the socket propagates (the caller owns
 the connection and drops it); a reply that is not RESP raises :class:`RespError`.
 An error reply is a :class:`ErrorReply` value, not an exception (MOVED/ASK are
@@ -32,10 +42,11 @@ answers to act on).
 from __future__ import annotations
 
 import socket
-from typing import Any, Iterable, Sequence, Union
+import time
+from typing import Any, Iterable, Optional, Sequence, Union
 
-__all__ = ["NARROW_FILL", "ErrorReply", "Reader", "RespError", "command", "send_parts",
-           "set_parts"]
+__all__ = ["NARROW_FILL", "REARM_S", "Deadline", "ErrorReply", "Reader", "RespError",
+           "command", "send_parts", "set_parts"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -47,6 +58,42 @@ _BUFFER = 64 << 10
 NARROW_FILL = 64
 #: At most this many iovecs per sendmsg (Linux IOV_MAX is 1024).
 _IOV_MAX = 512
+#: Longest time between two ``settimeout`` calls of a socket with a deadline: a wait
+#: overruns the deadline by at most this much (module docstring, "Deadlines").
+REARM_S = 0.001
+
+
+class Deadline:
+    """The deadline of one socket's waits (``time.monotonic()``; None: the socket's
+    own timeout alone). :meth:`arm` before each blocking call."""
+
+    __slots__ = ("sock", "at", "_armed", "progressed")
+
+    def __init__(self, sock: socket.socket, at: Optional[float] = None) -> None:
+        self.sock = sock
+        self.at = at
+        self._armed = -1.0  # when settimeout was last called for ``at``
+        #: when the last wait began (the one before it ended): a socket that
+        #: makes progress calls :meth:`arm` often
+        self.progressed = 0.0
+
+    def set(self, at: Optional[float]) -> None:
+        """A new deadline (the next :meth:`arm` sets the socket's timeout)."""
+        self.at = at
+        self._armed = -1.0
+
+    def arm(self) -> None:
+        """Raise ``socket.timeout`` when the deadline has passed; else make sure the
+        next wait ends by it (+ at most :data:`REARM_S`)."""
+        at = self.at
+        if at is None:
+            return
+        now = self.progressed = time.monotonic()
+        if now >= at:
+            raise socket.timeout("past the request's deadline")
+        if now - self._armed > REARM_S:
+            self.sock.settimeout(at - now)
+            self._armed = now
 
 
 class RespError(Exception):
@@ -79,13 +126,17 @@ def set_parts(key: bytes, value: Sequence[Buffer], extra: Sequence[bytes] = ()) 
     return [*head, *value, tail]
 
 
-def send_parts(sock: socket.socket, parts: Iterable[Buffer]) -> int:
+def send_parts(sock: socket.socket, parts: Iterable[Buffer],
+               deadline: Optional[Deadline] = None) -> int:
     """Send every buffer of ``parts`` in order with ``sendmsg`` (gathered, not joined);
-    handles short sends. Returns the bytes sent."""
+    handles short sends; each ``sendmsg`` waits within ``deadline``. Returns the bytes
+    sent."""
     pending = [memoryview(p).cast("B") for p in parts if len(p)]
     total = 0
     i = 0
     while i < len(pending):
+        if deadline is not None:
+            deadline.arm()
         n = sock.sendmsg(pending[i:i + _IOV_MAX])
         total += n
         while n and i < len(pending):
@@ -102,8 +153,11 @@ def send_parts(sock: socket.socket, parts: Iterable[Buffer]) -> int:
 class Reader:
     """Replies of one connection (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, size: int = _BUFFER) -> None:
+    def __init__(self, sock: socket.socket, size: int = _BUFFER,
+                 deadline: Optional[float] = None) -> None:
         self.sock = sock
+        #: every recv waits within it (:meth:`Deadline.set` moves it)
+        self.deadline = Deadline(sock, deadline)
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
@@ -120,6 +174,7 @@ class Reader:
             self._view[:n] = self._view[self._start:self._end]
             self._start, self._end = 0, n
         end = min(len(self._buf), self._end + (limit or self.fill_limit))
+        self.deadline.arm()
         n = self.sock.recv_into(self._view[self._end:end])
         if n == 0:
             raise ConnectionResetError("the Valkey node closed the connection")
@@ -145,7 +200,9 @@ class Reader:
             target[:have] = self._view[self._start:self._start + have]
             self._start += have
         recv_into = self.sock.recv_into
+        arm = self.deadline.arm
         while have < n:
+            arm()  # a value that trickles in is cut off at the deadline
             got = recv_into(target[have:])
             if got == 0:
                 raise ConnectionResetError("the Valkey node closed the connection")

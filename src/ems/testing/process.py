@@ -50,14 +50,15 @@ class ChildProcess:
         self.proc: Optional[subprocess.Popen] = None
         self._log: Any = None
 
-    def spawn(self, args: Sequence[str],
-              preexec_fn: Optional[Callable[[], None]] = None) -> subprocess.Popen:
-        """Start the child (not waiting for anything)."""
+    def spawn(self, args: Sequence[str], preexec_fn: Optional[Callable[[], None]] = None,
+              wrap: Sequence[str] = ()) -> subprocess.Popen:
+        """Start the child (not waiting for anything). ``wrap``: a command that execs
+        it (``ip netns exec NS``), so the pid is still the child's."""
         if self.running:
             raise RuntimeError(f"{self.module} is already running")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *args],
+            [*wrap, sys.executable, "-m", self.module, *args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env=self.env, start_new_session=True, preexec_fn=preexec_fn)
         return self.proc

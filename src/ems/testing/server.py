@@ -23,7 +23,7 @@ class ServerProcess(ChildProcess):
 
     def __init__(self, directory: str, socket_dir: str, args: Sequence[str],
                  env: Optional[Mapping[str, str]] = None,
-                 nofile: Optional[int] = None) -> None:
+                 nofile: Optional[int] = None, netns: Optional[str] = None) -> None:
         from ems.client.singleton import SOCKET_NAME
         super().__init__("ems.server", os.path.join(directory, "ems-server.log"), env)
         self.directory = directory
@@ -32,6 +32,9 @@ class ServerProcess(ChildProcess):
         self.args = list(args)
         #: RLIMIT_NOFILE of the daemon (tests of fd pressure); None: inherited
         self.nofile = nofile
+        #: the network namespace the daemon runs in (``ip netns exec``, which execs:
+        #: the pid is the daemon's); None: this process's
+        self.netns = netns
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 15.0) -> "ServerProcess":
@@ -42,7 +45,8 @@ class ServerProcess(ChildProcess):
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         proc = self.spawn(["--socket-dir", self.socket_dir, *self.args],
-                          preexec_fn=limit if self.nofile is not None else None)
+                          preexec_fn=limit if self.nofile is not None else None,
+                          wrap=["ip", "netns", "exec", self.netns] if self.netns else ())
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
@@ -102,13 +106,15 @@ def run_server(directory: Optional[str] = None, *, capacity: str = "64M",
                reservation_ttl_s: Optional[float] = None, log_level: Optional[str] = None,
                extra_args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
                start: bool = True, start_timeout_s: float = 15.0,
-               nofile: Optional[int] = None) -> Iterator[ServerProcess]:
+               nofile: Optional[int] = None, netns: Optional[str] = None
+               ) -> Iterator[ServerProcess]:
     """Run an ``ems-server`` for the duration of the block; always stop it.
 
     ``directory`` (default: a new temp dir, removed afterwards) receives the log and
     the tenants file; ``tenants`` maps access_id to access_key; ``quotas`` access_id
     to a size. ``start=False`` hands back a configured, unstarted server. ``nofile``
-    sets the daemon's RLIMIT_NOFILE (tests of fd pressure).
+    sets the daemon's RLIMIT_NOFILE (tests of fd pressure); ``netns`` runs it in that
+    network namespace (``ems.testing.netns``).
     """
     cleanup: list[str] = []
     if directory is None:
@@ -130,7 +136,7 @@ def run_server(directory: Optional[str] = None, *, capacity: str = "64M",
     if reservation_ttl_s is not None:
         args += ["--reservation-ttl-s", str(reservation_ttl_s)]
     args += list(extra_args)
-    server = ServerProcess(directory, socket_dir, args, env, nofile)
+    server = ServerProcess(directory, socket_dir, args, env, nofile, netns)
     try:
         if start:
             server.start(start_timeout_s)
