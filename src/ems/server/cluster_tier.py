@@ -14,7 +14,8 @@ carried by the requests (``ems.protocol.messages``), decide:
   node has it, and no local copy is kept.
 
 Where the work runs: the event loop never touches the network. A request that needs
-the cluster is handed to a worker thread (``workers``, default 4), which runs one
+the cluster is handed to a worker thread (``workers``, default 4, for reads and as
+many for writes: a load never waits for a worker held by a write), which runs one
 :class:`~ems.cluster.client.ClusterClient` batch, and its completion comes back to the
 loop (``Loop.call_soon``: the daemon's wake socketpair). The tier implements the
 daemon's tier seam (``ems.server.tiers.Tier``): it fills shared memory on a load's
@@ -126,7 +127,11 @@ class ClusterTier(Tier):
         self.settings = settings
         self.client = ClusterClient(settings)
         self._loop = loop
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="ems-cluster-io")
+        # Reads and writes have workers of their own: a load never waits for a worker
+        # held by a write-behind to a node that hangs (the client's lanes keep them
+        # apart on the wire; this keeps them apart before it).
+        self._readers = ThreadPoolExecutor(workers, thread_name_prefix="ems-cluster-read")
+        self._writers = ThreadPoolExecutor(workers, thread_name_prefix="ems-cluster-write")
         self._memory = SegmentMaps()
         self._fetches = FetchBook(FETCH_OWNER)
         self._write_behind_limit = write_behind_bytes
@@ -141,9 +146,10 @@ class ClusterTier(Tier):
         self._latencies: collections.deque = collections.deque(maxlen=_LATENCIES)
 
     # ------------------------------------------------------------ plumbing
-    def _submit(self, work: Callable[[], _T], done: Callable[[Optional[_T]], None]) -> None:
-        """Run ``work`` on a worker; ``done(result)`` then runs on the loop (None when
-        ``work`` raised: the completion still runs, as misses)."""
+    def _submit(self, work: Callable[[], _T], done: Callable[[Optional[_T]], None],
+                write: bool = False) -> None:
+        """Run ``work`` on a reader (``write``: a writer); ``done(result)`` then runs on
+        the loop (None when ``work`` raised: the completion still runs, as misses)."""
         def run() -> None:
             started = time.monotonic()
             result: Optional[_T]
@@ -156,7 +162,7 @@ class ClusterTier(Tier):
             with self._lock:
                 self._latencies.append(time.monotonic() - started)
             self._loop.call_soon(lambda: done(result))
-        self._executor.submit(run)
+        (self._writers if write else self._readers).submit(run)
 
     def _deadline(self, deadline: Optional[float]) -> float:
         cap = time.monotonic() + self._max_batch_s
@@ -288,7 +294,7 @@ class ClusterTier(Tier):
                 v.release()
             then(ok)
 
-        self._submit(work, done)
+        self._submit(work, done, write=True)
 
     # ------------------------------------------------------------ report
     def statistics(self) -> TierStatistics:
@@ -320,7 +326,8 @@ class ClusterTier(Tier):
     def close(self) -> None:
         """Stop the workers (their batches end by their deadlines; their completions
         are queued on the loop, which runs them next), then the client."""
-        self._executor.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
         self.client.close()
         self._loop.call_soon(self._memory.close)  # after the completions queued before
 
