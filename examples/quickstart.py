@@ -1,4 +1,4 @@
-"""The README's first example: save two values and load them back, with no torch.
+"""Save two values and load them back, with no torch (the quickstart's example).
 
 Run:  python examples/quickstart.py
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up (with test dependencies), lint
 # (ruff) and type-check (mypy), the packaging check (sdist + wheel, twine, a fresh
-# virtualenv; scripts/package-check.sh), the docs site (`mkdocs build --strict`: a
-# broken link or a page missing from the nav fails it), then pytest (unit,
+# virtualenv; scripts/package-check.sh), the docs site (the benchmark page's tables
+# against their JSON, then `mkdocs build --strict`: a broken link or a page missing from
+# the nav fails it), then pytest (unit,
 # integration and the fault suite; those start and stop their own ems-server daemons
 # in temp dirs). Any error fails the run. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/setup.sh test
-"$PY" -m ruff check src tests benchmarks examples
+"$PY" -m ruff check src tests benchmarks examples scripts
 "$PY" -m mypy
 bash scripts/package-check.sh
 "$PY" scripts/bench_tables.py --check

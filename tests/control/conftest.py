@@ -12,6 +12,7 @@ import pytest
 
 from ems.testing import run_server
 from ems.testing.control import run_control
+from ems.testing.leaks import check_server
 
 #: the registry poll of the daemons in these tests (the default is 1.0 s)
 POLL_S = "0.5"
@@ -31,6 +32,7 @@ class Daemons:
     def __init__(self, base: str) -> None:
         self.base = base
         self._stack = contextlib.ExitStack()
+        self._servers: list[Any] = []
 
     def start(self, control, name: str, *, capacity: str = "64M", poll_s: str = POLL_S,
               metrics_port: Optional[int] = None, extra: tuple = (), **kw: Any):
@@ -41,11 +43,19 @@ class Daemons:
         if metrics_port is not None:
             args += ["--metrics-addr", f"127.0.0.1:{metrics_port}"]
         kw.setdefault("anonymous", False)
-        return self._stack.enter_context(run_server(directory, capacity=capacity,
-                                                    extra_args=args, **kw))
+        server = self._stack.enter_context(run_server(directory, capacity=capacity,
+                                                      extra_args=args, **kw))
+        self._servers.append(server)
+        return server
 
     def close(self) -> None:
-        self._stack.close()
+        """Stop every daemon; first, each one still running must hold nothing a
+        finished request took (``ems.testing.leaks.check_server``)."""
+        with self._stack:
+            for server in self._servers:
+                if server.running:
+                    server.resume()
+                    check_server(server)
 
 
 @pytest.fixture

@@ -120,3 +120,16 @@ def test_example_runs(runs, name):
     lines = out.splitlines()
     for line, count in RUNS[name][2].items():
         assert lines.count(line) == count, f"{line!r} x{lines.count(line)}, want {count}\n{out}"
+
+
+def test_the_readme_embedded_example_runs(tmp_path):
+    """The README's first Python block (the embedded example) runs as written."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "Ems.init" in block and "cc.load" in block
+    script = tmp_path / "readme_example.py"
+    script.write_text(block)
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env({}),
+                         capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["CcResult(success=2, total=2)"] * 2

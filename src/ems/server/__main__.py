@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -130,6 +131,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(config.log_level)
     registry = TenantRegistry(specs, config.reservation_ttl_s)
     daemon = Daemon(config, registry)
+    # SIGTERM / SIGINT stop the daemon cleanly from here on: the socket accepts (and a
+    # supervisor may stop it) before serve_forever installs its own handlers, and the
+    # default action in that window was death by the signal (exit -15), socket left.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.request_stop())
     extras: list = []  # the threads beside the loop (control sync, metrics), stopped after it
     try:  # before the socket: a bad token file or a busy metrics port stops the start
         sync = None

@@ -54,8 +54,11 @@ class ControlProcess(ChildProcess):
             if os.path.exists(self.port_file):
                 with open(self.port_file) as f:
                     self.port = int(f.read())
-                if http_json("GET", self.url + "/healthz", timeout_s=1.0)[0] == 200:
-                    return self
+                try:
+                    if http_json("GET", self.url + "/healthz", timeout_s=1.0)[0] == 200:
+                        return self
+                except OSError:  # not answering yet (a busy machine): ask again
+                    pass
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"ems-control did not listen within {timeout_s} s:\n"
