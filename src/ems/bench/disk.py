@@ -19,7 +19,10 @@ Value sizes: V0's 1 MiB and a V1-sized block of 256 KiB (both saved through V0 k
 the tier stores one record per key either way). The limit is measured in the same run,
 the same directory, the same value sizes and bytes and the tier's thread count
 (``io_threads``): an ``O_DIRECT`` sequential write then read (no page cache: what the
-device does). Each ratio is against it. The engine alone (``ems.disk.DiskStore``, no
+device does). Each ratio is against it. For the profile of a load, the same batches
+from shared memory, and the CPU seconds per GB of the daemon and the client during the
+load after the restart; the load average of the machine is recorded (other processes
+take CPUs these copies and checksums need). The engine alone (``ems.disk.DiskStore``, no
 daemon, no client) is measured the same way, so that a gap shows where it is lost.
 
 Recovery: a synthetic checkpoint of ``--disk-records`` records (1M) loaded as at a clean
@@ -285,6 +288,16 @@ class _TierDaemon:
             time.sleep(0.005)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _load_all(client: EmsSystem, keys: Sequence[str], buf: np.ndarray) -> tuple[float, int]:
     """Load ``keys`` in batches of ``len(buf)``; seconds taken and keys found."""
     n = buf.shape[0]
@@ -335,8 +348,16 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         restart_s = time.perf_counter() - t1
         assert tier.client is not None
         d3 = tier.disk()
+        assert tier.daemon is not None
+        pid = tier.daemon.service.pid
+        cpu0, ccpu0 = _cpu_s(pid), time.process_time()
         load_restart_s, restart_found = _load_all(tier.client, keys, dst)
+        daemon_cpu_s, client_cpu_s = _cpu_s(pid) - cpu0, time.process_time() - ccpu0
         d4 = tier.disk()
+        # The same batch size again from shared memory (the last keys loaded are
+        # there): what a load costs without the disk, for the profile.
+        tail = keys[-dst.shape[0]:]
+        load_shm_s, shm_found = _load_all(tier.client, tail, dst)
         if restart_found == count:  # the last batch's first key, byte for byte
             last = (count - 1) // dst.shape[0] * dst.shape[0]
             if not np.array_equal(dst[0], src[last % per_save]):
@@ -357,6 +378,12 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         "scan_skipped": d3["scan_skipped"],
         "load_restart_gbps": restart_found * size / load_restart_s / 1e9,
         "load_restart_found": restart_found,
+        "load_batch_bytes": dst.nbytes,
+        "load_shm_gbps": shm_found * size / load_shm_s / 1e9,
+        "load_restart_daemon_cpu_s_per_gb": daemon_cpu_s / max(restart_found * size / 1e9,
+                                                               1e-9),
+        "load_restart_client_cpu_s_per_gb": client_cpu_s / max(restart_found * size / 1e9,
+                                                               1e-9),
         "load_restart_disk_hits": d4["tier"]["hits"] - d3["tier"]["hits"],
         "direct_io": d4["direct_io"], "direct_reads": d4["direct_reads"],
         "buffered_reads": d4["buffered_reads"],
@@ -377,7 +404,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-dir", default=None,
                    help="directory on the disk to measure (default: --out); a temp "
                         "directory inside it is removed after")
-    g.add_argument("--disk-mib", type=int, default=512,
+    g.add_argument("--disk-mib", type=int, default=256,
                    help="working set per value size, MiB (disk use about 2x this)")
     g.add_argument("--disk-shm-mib", type=int, default=0,
                    help="the daemon's shared memory, MiB (default: a quarter of --disk-mib)")
@@ -437,6 +464,7 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     os.makedirs(args.out, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]  # other processes' CPU demand: this bench needs CPUs too
     restore = procs.install_signal_handlers()
     root = Path(tempfile.mkdtemp(dir=base, prefix=".ems-bench-disk-"))
     try:
@@ -452,6 +480,7 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
         shutil.rmtree(root, ignore_errors=True)
     data = {"schema": 1, "date": started.isoformat(timespec="seconds"),
             "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
+            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
             "ems": commit(), "argv": list(argv), **results}
     path = os.path.join(args.out, "bench-disk.json")
     write_json(path, data)
