@@ -40,7 +40,7 @@ def test_bench_disk_tiny(tmp_path):
         assert s["load_evicted_objects"] > 0
         assert s["load_evicted_disk_hits"] >= s["load_evicted_found"] > 0, s
         # ...and after a restart (shared memory empty) the disk served the loads
-        assert s["scan_skipped"] and s["records_recovered"] > 0
+        assert s["scan_skipped"] and 0 < s["records_recovered"] <= s["count"]
         assert s["load_restart_disk_hits"] >= s["load_restart_found"], s
         assert s["load_restart_found"] >= s["count"] - s["evicted_before_write"] > 0, s
         for key in ("limit_write_gbps", "limit_read_gbps", "spill_gbps", "load_restart_gbps",

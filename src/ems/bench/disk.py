@@ -243,7 +243,8 @@ class _TierDaemon:
     def __init__(self, root: Path, shm_bytes: int, disk_bytes: int) -> None:
         self.root = root
         self.shm_bytes = shm_bytes
-        self.args = ["--disk", str(root / "disk"), "--disk-capacity", str(disk_bytes),
+        self.disk_dir = root / "disk"
+        self.args = ["--disk", str(self.disk_dir), "--disk-capacity", str(disk_bytes),
                      "--disk-checkpoint-s", "60"]
         self.sock_dir = tempfile.mkdtemp(prefix="ems-bench-disk-")  # short socket path
         self.daemon: Optional[EmsDaemon] = None
@@ -268,6 +269,7 @@ class _TierDaemon:
             self.stop()
         finally:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
+            shutil.rmtree(self.disk_dir, ignore_errors=True)  # the next size starts empty
 
     def report(self) -> dict[str, Any]:
         return server_report(os.path.join(self.sock_dir, PoolSettings.SOCKET_NAME), 10)
