@@ -21,9 +21,9 @@ MIB = 1 << 20
 def test_bench_disk_tiny(tmp_path):
     out, where = tmp_path / "out", tmp_path / "disk"
     proc = subprocess.run(
-        [sys.executable, "-m", "ems.bench", "--disk", "--disk-mib", "16", "--disk-shm-mib",
-         "4", "--disk-records", "5000", "--disk-scan", "500", "--out", str(out),
-         "--disk-dir", str(where)],
+        [sys.executable, "-m", "ems.bench", "--disk", "--disk-mib", "16", "--disk-reps", "1",
+         "--disk-shm-mib", "4", "--disk-records", "5000", "--disk-scan", "500", "--out",
+         str(out), "--disk-dir", str(where)],
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "V0 1 MiB" in proc.stdout and "checkpoint load" in proc.stdout
@@ -32,6 +32,7 @@ def test_bench_disk_tiny(tmp_path):
     data = json.loads((out / "bench-disk.json").read_text())
     assert data["threads"] >= 1 and data["shm_bytes"] == 4 * MIB
     assert [s["size"] for s in data["sizes"]] == [MIB, 256 << 10]
+    assert all(len(s["runs"]) == len(s["limits"]) == 1 for s in data["sizes"])
     for s in data["sizes"]:
         assert s["count"] * s["size"] == 16 * MIB
         # more than shared memory holds reached the disk...
