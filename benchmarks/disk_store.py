@@ -12,6 +12,9 @@ Recovery: a synthetic checkpoint of ``--records`` records (1M) loaded as at a cl
 restart, and a scan of ``--scan`` records of 4 KiB written without a checkpoint (a crash
 before the first one): seconds per million records each.
 
+The measurements are ``ems.bench.disk``'s (``ems bench --disk`` runs them with the
+tier through a daemon); this script runs the engine's part at more sizes and repetitions.
+
     PYTHONPATH=src python benchmarks/disk_store.py [--json out.json] [--dir DIR]
 """
 
@@ -19,174 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import sys
 import tempfile
-import threading
-import time
-from array import array
 from pathlib import Path
 
-from ems.disk import DiskSettings, DiskStore, WriteResult
-from ems.disk.index import columns
-from ems.disk.records import (
-    ALIGN,
-    Checkpoint,
-    CheckpointRegion,
-    CheckpointTenant,
-    encode_checkpoint,
-    record_span,
-)
-from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
+from ems.bench.disk import checkpoint_load, device_limit, scan, store_speed
+from ems.disk.records import ALIGN
 
 MiB = 1 << 20
 SIZES = [("V0 1 MiB", 1 << 20), ("V1 256 KiB", 256 << 10), ("V1 16 KiB", 16 << 10)]
-
-
-def _parallel(threads: int, count: int, work) -> float:
-    """Run ``work(t, i)`` for i in range(count) on threads t in range(``threads``);
-    seconds taken."""
-    nxt = [0]
-    lock = threading.Lock()
-
-    def run(t: int) -> None:
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= count:
-                return
-            work(t, i)
-
-    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def device_limit(root: Path, size: int, count: int, threads: int) -> tuple[float, float]:
-    """O_DIRECT write then read of ``count`` values of ``size`` bytes at ``threads``
-    deep, sequential offsets: GB/s each way."""
-    path = root / "limit.dat"
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_DIRECT", 0), 0o600)
-    bufs = [mmap.mmap(-1, size) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(size))
-    views = [memoryview(b) for b in bufs]
-    try:
-        w = _parallel(threads, count, lambda t, i: os.pwritev(fd, [views[t]], i * size))
-        os.fdatasync(fd)
-        r = _parallel(threads, count, lambda t, i: os.preadv(fd, [views[t]], i * size))
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        for v in views:
-            v.release()
-    return count * size / w / 1e9, count * size / r / 1e9
-
-
-def store_speed(root: Path, size: int, count: int, threads: int) -> dict[str, object]:
-    path = root / "store"
-    cap = count * record_span(size) * 2 + (256 * MiB)
-    store = DiskStore(DiskSettings(str(path), cap, checkpoint_s=0))
-    store.open()
-    store.wait_recovered(60)
-    arena = mmap.mmap(-1, size * threads)  # page aligned, like the daemon's arena
-    arena.write(os.urandom(size * threads))
-    slots = [memoryview(arena)[i * size:(i + 1) * size] for i in range(threads)]
-
-    def put(t: int, i: int) -> None:
-        if store.write("bench", f"k{i}", slots[t]) is not WriteResult.WRITTEN:
-            raise RuntimeError("write refused")
-
-    def get(t: int, i: int) -> None:
-        store.read("bench", f"k{i}", slots[t], time.monotonic() + 60)
-
-    try:
-        w = _parallel(threads, count, put)
-        store.checkpoint()  # durable, as the limit's fdatasync
-        r = _parallel(threads, count, get)
-        st = store.statistics()
-    finally:
-        store.close()
-        for s in slots:
-            s.release()
-        arena.close()
-        shutil.rmtree(path)
-    if st.hits != count:
-        raise RuntimeError(f"{st.hits} of {count} reads hit")
-    return {"write_gbps": count * size / w / 1e9, "read_gbps": count * size / r / 1e9,
-            "reads_buffered": st.buffered_reads, "writes_buffered": st.buffered_writes,
-            "write_p99_ms": (st.write_latency_p99_s or 0) * 1e3,
-            "read_p99_ms": (st.read_latency_p99_s or 0) * 1e3}
-
-
-def checkpoint_load(root: Path, records: int) -> dict[str, float]:
-    """A clean restart's recovery of ``records`` records of 16 KiB in 64 MiB regions
-    (sparse region files): seconds per million."""
-    path = root / "ckpt"
-    rb = 64 * MiB
-    span = record_span(16 << 10)
-    per = rb // span
-    nreg = -(-records // per)
-    os.makedirs(tenant_dir(str(path), "bench"), mode=0o700)
-    for r in range(1, nreg + 1):
-        with open(region_path(str(path), "bench", r), "wb") as f:
-            f.truncate(per * span)
-    ids = range(records)
-    keys = [f"{i:064x}" for i in ids]  # V1-like hashes
-    t = CheckpointTenant("bench", keys, array("Q", (1 + i // per for i in ids)),
-                         array("Q", ((i % per) * span for i in ids)),
-                         array("Q", [16 << 10]) * records, array("Q", (1 + i for i in ids)))
-    ck = Checkpoint(records + 1, nreg + 1,
-                    [CheckpointRegion("bench", r, per * span) for r in range(1, nreg + 1)], [t])
-    data = encode_checkpoint(ck)
-    (path / CHECKPOINT).write_bytes(data)
-    del keys, t
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    got = recover(str(path), nreg * rb, rb, clean=True)
-    load_s = time.perf_counter() - t0
-    load_cpu_s = time.process_time() - c0
-    assert got.index.objects() == records and got.scan_skipped
-    t0 = time.perf_counter()  # what the store's checkpoint does with this index
-    snap = got.index.entries("bench")
-    encode_checkpoint(Checkpoint(records + 1, nreg + 1, ck.regions,
-                                 [CheckpointTenant("bench", *columns(snap))]))
-    encode_s = time.perf_counter() - t0
-    del got, snap, ck
-    shutil.rmtree(path)
-    return {"records": records, "load_s": load_s, "load_s_per_million": load_s / records * 1e6,
-            "load_cpu_s_per_million": load_cpu_s / records * 1e6,
-            "encode_s_per_million": encode_s / records * 1e6,
-            "checkpoint_mib": len(data) / MiB}
-
-
-def scan(root: Path, records: int, threads: int) -> dict[str, float]:
-    """Recovery by scan (no checkpoint) of ``records`` records of 4 KiB."""
-    path = root / "scan"
-    store = DiskStore(DiskSettings(str(path), records * record_span(4096) * 2 + 64 * MiB,
-                                   checkpoint_s=0))
-    store.open()
-    store.wait_recovered(60)
-    value = bytes(4096)
-    _parallel(threads, records, lambda t, i: store.write("bench", f"{i:064x}", value))
-    store.close(clean=False)
-    os.unlink(path / CHECKPOINT)
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    got = recover(str(path), records * record_span(4096) * 2, 64 * MiB, clean=False)
-    took = time.perf_counter() - t0
-    cpu = time.process_time() - c0
-    assert got.index.objects() == records, got.index.objects()
-    shutil.rmtree(path)
-    return {"records": records, "scan_s": took, "scan_s_per_million": took / records * 1e6,
-            "scan_cpu_s_per_million": cpu / records * 1e6}
 
 
 def main(argv: list[str]) -> int:

@@ -6,8 +6,9 @@
 Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the
 page; everything else on the page is written by hand. The sources: ``docs/bench.json``
 (``ems bench --out DIR`` writes ``DIR/bench.json``), ``docs/vllm_ttft.json``
-(``benchmarks/vllm_ttft.py``) and ``docs/control-propagation.json``
-(``benchmarks/control_propagation.py``). A new run replaces the JSON; this script then
+(``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
+(``benchmarks/control_propagation.py``) and ``docs/bench-disk.json`` (``ems bench --disk
+--out DIR`` writes ``DIR/bench-disk.json``). A new run replaces the JSON; this script then
 replaces the tables, so the page never shows a figure that no JSON holds.
 """
 
@@ -163,6 +164,72 @@ def control_propagation(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def disk_run(d: dict[str, Any]) -> str:
+    m, ems = d["machine"], d["ems"]
+    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    argv = " ".join("DIR" if a.startswith("/") else a for a in d["argv"])
+    return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
+            f"`ems bench {argv}` ({d['elapsed_s']:.0f} s): {d['mib']} MiB per value size "
+            f"through {d['shm_bytes'] >> 20} MiB of shared memory, {d['threads']} I/O "
+            f"threads (the limit's depth); {m.get('cpus')} × {m.get('cpu', '?')} vCPU, "
+            f"{m.get('memory_gib', '?')} GiB, {m['platform'].split('-with')[0]}, load "
+            f"average {d['loadavg']['start']:.1f} at the start, {d['loadavg']['end']:.1f} at "
+            "the end (other processes on the machine).")
+
+
+def disk_throughput(d: dict[str, Any]) -> str:
+    out = ["| values | device write | spill | device read | load evicted | "
+           "load after restart | same batches from shared memory | engine alone w / r |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in d["sizes"]:
+        ev = ("–" if s["load_evicted_gbps"] is None else
+              f"{s['load_evicted_gbps']:.2f} ({s['load_evicted_ratio']:.2f})")
+        st = s["store"]
+        out.append(f"| {s['name']} | {s['limit_write_gbps']:.2f} | {s['spill_gbps']:.2f} "
+                   f"({s['spill_ratio']:.2f}) | {s['limit_read_gbps']:.2f} | {ev} | "
+                   f"{s['load_restart_gbps']:.2f} ({s['load_restart_ratio']:.2f}) | "
+                   f"{s['load_shm_gbps']:.2f} | {st['write_gbps']:.2f} / "
+                   f"{st['read_gbps']:.2f} |")
+    out += ["", "GB/s (ratio to the device's limit of the same direction). Per value size: "
+            + "; ".join(
+                f"{s['name']}: {s['load_restart_found']} of {s['count']} objects found "
+                f"after the restart ({s['records_recovered']} records recovered, scan "
+                f"{'skipped' if s['scan_skipped'] else 'run'}), {s['evicted_before_write']} "
+                f"evicted before their write, disk read p50 / p99 "
+                f"{s['read_latency_p50_ms']:.1f} / {s['read_latency_p99_ms']:.1f} ms, CPU "
+                f"per GB loaded: daemon {s['load_restart_daemon_cpu_s_per_gb']:.2f} s, "
+                f"client {s['load_restart_client_cpu_s_per_gb']:.2f} s; the device's read "
+                f"and the shared-memory path one after the other would give "
+                f"{1 / (1 / s['limit_read_gbps'] + 1 / s['load_shm_gbps']):.2f} GB/s"
+                for s in d["sizes"]) + "."]
+    return "\n".join(out)
+
+
+def disk_recovery(d: dict[str, Any]) -> str:
+    ck, sc = d["checkpoint"], d["scan"]
+    return "\n".join([
+        "| recovery | records | seconds | s per million (CPU) |", "|---|---:|---:|---:|",
+        f"| checkpoint load (clean restart) | {ck['records']} | {ck['load_s']:.2f} | "
+        f"{ck['load_s_per_million']:.2f} ({ck['load_cpu_s_per_million']:.2f}) |",
+        f"| writing that checkpoint (encode) | {ck['records']} | – | "
+        f"{ck['encode_s_per_million']:.2f} |",
+        f"| scan (no checkpoint: a crash before the first) | {sc['records']} | "
+        f"{sc['scan_s']:.2f} | {sc['scan_s_per_million']:.1f} "
+        f"({sc['scan_cpu_s_per_million']:.1f}) |"])
+
+
+def disk_targets(d: dict[str, Any]) -> str:
+    out = ["| target | values | measured | met |", "|---|---|---:|---|"]
+    for s in d["sizes"]:
+        r = s["load_restart_ratio"]
+        out.append(f"| load from disk ≥ 0.8× the device's read | {s['name']} | {r:.2f}× | "
+                   f"{'yes' if r >= 0.8 else '**no**'} |")
+    ck = d["checkpoint"]["load_s_per_million"]
+    out.append(f"| recovery ≤ 5 s per million objects (checkpoint) | – | {ck:.2f} s | "
+               f"{'yes' if ck <= 5 else '**no**'} |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "bench-run": ("bench.json", bench_run),
     "bench-throughput": ("bench.json", bench_throughput),
@@ -171,6 +238,10 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "bench-targets": ("bench.json", bench_targets),
     "vllm-ttft": ("vllm_ttft.json", vllm_ttft),
     "control-propagation": ("control-propagation.json", control_propagation),
+    "disk-run": ("bench-disk.json", disk_run),
+    "disk-throughput": ("bench-disk.json", disk_throughput),
+    "disk-recovery": ("bench-disk.json", disk_recovery),
+    "disk-targets": ("bench-disk.json", disk_targets),
 }
 
 

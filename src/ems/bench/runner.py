@@ -6,6 +6,7 @@ Usage (``ems bench --help``)::
     ems bench                               # everything, about 5-10 minutes
     ems bench --quick                       # smaller sizes, under 2 minutes
     ems bench --quick --systems embedded    # no daemon, no peers (the smoke test)
+    ems bench --disk                        # the disk tier (ems.bench.disk), ~2 minutes
 
 It prints a Markdown table (GB/s, ratio to memcpy), and writes ``bench.json`` and
 ``bench.png`` into ``--out``. Every process it starts (ems-server, mooncake_master,
@@ -81,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--keep", action="store_true",
                     help="keep the temp dir with the logs of the processes it started")
+    from ems.bench.disk import add_arguments
+    add_arguments(ap)
     return ap
 
 
@@ -101,6 +104,9 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the bench; returns the process exit code (0: ran, problems are reported)."""
     args = _parser().parse_args(argv)
+    if args.disk:
+        from ems.bench import disk
+        return disk.main(args, list(argv) if argv is not None else sys.argv[1:])
     want = _names(args.systems, SYSTEMS, "system")
     if args.no_peers:
         want = [s for s in want if s not in PEERS]

@@ -17,6 +17,9 @@ tokens with logits within ``--atol``. It exits 1 when they differ.
 sharing the ``ems-server`` daemon's pool: the second instance finds what the
 first saved. It needs the daemon (``EMS_POOL=server``, or ``auto`` with the
 daemon's socket present) and exits 2 otherwise.
+
+``--disk`` starts its own daemons, with a pool smaller than the working set: the hit
+rate without and with the disk tier, and after a restart (``ems.demo.disk``).
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="N > 1: N simulated hosts (one ems-server each) on one local "
                         "Valkey Cluster; an instance per host, one after another (needs "
                         "the cluster extra); see ems.demo.hosts")
+    r.add_argument("--disk", action="store_true",
+                   help="the daemon's disk tier: an ems-server whose shared memory is "
+                        "smaller than the working set, without and with --disk, then "
+                        "restarted; see ems.demo.disk")
+    r.add_argument("--disk-shm-mib", type=int, default=0,
+                   help="with --disk: the daemon's shared memory, MiB (0: half the "
+                        "workload's KV)")
     r.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
@@ -95,6 +105,10 @@ def _settings(args: argparse.Namespace) -> DemoSettings:
                  "block_size", "threads", "instances", "hosts"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.disk_shm_mib < 0:
+        raise ValueError("--disk-shm-mib must be >= 0")
+    if args.disk and (args.instances > 1 or args.hosts > 1):
+        raise ValueError("--disk runs its own passes; drop --instances and --hosts")
     if args.timeout_ms < 0 or args.atol < 0:
         raise ValueError("--timeout-ms and --atol must be >= 0")
     model = ModelConfig.for_hidden(args.hidden, num_layers=args.layers, vocab_size=args.vocab,
@@ -222,6 +236,9 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     try:
         if args.worker_out:
             return _worker(settings, args.worker_out, args.worker_label, progress)
+        if args.disk:
+            from ems.demo.disk import run_disk
+            return run_disk(settings, args, progress, out)
         if args.hosts > 1:
             from ems.demo.hosts import run_hosts
             return run_hosts(settings, args, progress, out)

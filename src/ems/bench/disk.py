@@ -1,0 +1,501 @@
+"""``ems bench --disk``: the disk tier through a real daemon, beside the device's limit.
+
+An ``ems-server --disk DIR`` whose shared memory (``--disk-shm``) is a quarter of the
+working set (``--disk-mib`` MiB per value size) takes the saves of one client:
+
+* **spill**: the client saves the working set in batches of 32 MiB (at most a quarter
+  of shared memory, as every batch below); GB/s of objects
+  that reached the disk, from the first save until nothing waits or runs for the disk
+  (the daemon's ``disk`` report). The client waits before a batch while more than a
+  quarter of shared memory is queued for the disk, so that few objects are evicted
+  before they are written (the tier writes from pool memory; a queued object that
+  shared memory evicts is not written, counted as ``evicted_before_write``).
+* **load evicted**: the objects shared memory evicted, loaded back (from the disk) in
+  batches of 64 MiB. GB/s of the objects found (the JSON has found / asked).
+* **load after restart**: the daemon stopped (SIGTERM) and started again on the same
+  directory, shared memory empty; every object loaded back from the disk.
+
+Value sizes: V0's 1 MiB and a V1-sized block of 256 KiB (both saved through V0 keys:
+the tier stores one record per key either way). The limit is measured in the same run,
+the same directory, the same value sizes and bytes and the tier's thread count
+(``io_threads``): an ``O_DIRECT`` sequential write then read (no page cache: what the
+device does). Each ratio is against it. The limit and the tier's runs alternate
+``--disk-reps`` times (2), and each figure is the best of its runs (all are in the JSON):
+the machine may be shared. For the profile of a load, the same batches
+from shared memory, and the CPU seconds per GB of the daemon and the client during the
+load after the restart; the load average of the machine is recorded (other processes
+take CPUs these copies and checksums need). The engine alone (``ems.disk.DiskStore``, no
+daemon, no client) is measured the same way, so that a gap shows where it is lost.
+
+Recovery: a synthetic checkpoint of ``--disk-records`` records (1M) loaded as at a clean
+restart, and a scan of ``--disk-scan`` records written without a checkpoint (a crash
+before the first one): seconds per million records each.
+
+Everything is written under ``--disk-dir`` (default: the ``--out`` directory) in a
+temp directory removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ems.bench import procs
+from ems.bench.report import commit, machine, write_json
+from ems.bench.systems import EmsDaemon, EmsSystem, touched
+from ems.client.remote import server_report
+from ems.config import PoolSettings
+from ems.disk import DiskSettings, DiskStore, WriteResult
+from ems.disk.index import columns
+from ems.disk.records import (
+    ALIGN,
+    Checkpoint,
+    CheckpointRegion,
+    CheckpointTenant,
+    encode_checkpoint,
+    record_span,
+)
+from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
+from ems.server.config import DiskConfig
+
+__all__ = ["SIZES", "add_arguments", "checkpoint_load", "device_limit", "main", "run",
+           "scan", "store_speed"]
+
+MiB = 1 << 20
+#: (name, value bytes) of the measured cases
+SIZES = (("V0 1 MiB", 1 << 20), ("V1 block 256 KiB", 256 << 10))
+#: the tier's worker threads, the depth at which the limit is measured
+IO_THREADS: int = next(f.default for f in dataclasses.fields(DiskConfig)
+                       if f.name == "io_threads")  # type: ignore[assignment]
+SAVE_BATCH_BYTES = 32 * MiB
+LOAD_BATCH_BYTES = 64 * MiB
+
+
+# ------------------------------------------------------------------- the device
+
+def _parallel(threads: int, count: int, work: Callable[[int, int], object]) -> float:
+    """Run ``work(t, i)`` for i in range(count) on threads t in range(``threads``);
+    seconds taken."""
+    nxt = [0]
+    lock = threading.Lock()
+
+    def run(t: int) -> None:
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= count:
+                return
+            work(t, i)
+
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def device_limit(root: Path, size: int, count: int, threads: int) -> tuple[float, float]:
+    """``O_DIRECT`` write then read of ``count`` values of ``size`` bytes, ``threads``
+    deep, sequential offsets, in ``root``: GB/s each way."""
+    path = root / "limit.dat"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_DIRECT", 0), 0o600)
+    bufs = [mmap.mmap(-1, size) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(size))
+    views = [memoryview(b) for b in bufs]
+    try:
+        w = _parallel(threads, count, lambda t, i: os.pwritev(fd, [views[t]], i * size))
+        os.fdatasync(fd)
+        r = _parallel(threads, count, lambda t, i: os.preadv(fd, [views[t]], i * size))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        for v in views:
+            v.release()
+    return count * size / w / 1e9, count * size / r / 1e9
+
+
+def store_speed(root: Path, size: int, count: int, threads: int) -> dict[str, Any]:
+    """The engine alone: ``threads`` threads write ``count`` values into a fresh
+    ``DiskStore`` and read them back, from and into page-aligned memory."""
+    path = root / "store"
+    cap = count * record_span(size) * 2 + (256 * MiB)
+    store = DiskStore(DiskSettings(str(path), cap, checkpoint_s=0))
+    store.open()
+    store.wait_recovered(60)
+    arena = mmap.mmap(-1, size * threads)  # page aligned, like the daemon's arena
+    arena.write(os.urandom(size * threads))
+    slots = [memoryview(arena)[i * size:(i + 1) * size] for i in range(threads)]
+
+    def put(t: int, i: int) -> None:
+        if store.write("bench", f"k{i}", slots[t]) is not WriteResult.WRITTEN:
+            raise RuntimeError("write refused")
+
+    def get(t: int, i: int) -> None:
+        store.read("bench", f"k{i}", slots[t], time.monotonic() + 60)
+
+    try:
+        w = _parallel(threads, count, put)
+        store.checkpoint()  # durable, as the limit's fdatasync
+        r = _parallel(threads, count, get)
+        st = store.statistics()
+    finally:
+        store.close()
+        for s in slots:
+            s.release()
+        arena.close()
+        shutil.rmtree(path)
+    if st.hits != count:
+        raise RuntimeError(f"{st.hits} of {count} reads hit")
+    return {"write_gbps": count * size / w / 1e9, "read_gbps": count * size / r / 1e9,
+            "reads_buffered": st.buffered_reads, "writes_buffered": st.buffered_writes,
+            "write_p99_ms": (st.write_latency_p99_s or 0) * 1e3,
+            "read_p99_ms": (st.read_latency_p99_s or 0) * 1e3}
+
+
+# ------------------------------------------------------------------- recovery
+
+def checkpoint_load(root: Path, records: int) -> dict[str, Any]:
+    """A clean restart's recovery of ``records`` records of 16 KiB in 64 MiB regions
+    (sparse region files): seconds per million; and the encoding of that index."""
+    path = root / "ckpt"
+    rb = 64 * MiB
+    span = record_span(16 << 10)
+    per = rb // span
+    nreg = -(-records // per)
+    os.makedirs(tenant_dir(str(path), "bench"), mode=0o700)
+    for r in range(1, nreg + 1):
+        with open(region_path(str(path), "bench", r), "wb") as f:
+            f.truncate(per * span)
+    ids = range(records)
+    keys = [f"{i:064x}" for i in ids]  # V1-like hashes
+    t = CheckpointTenant("bench", keys, array("Q", (1 + i // per for i in ids)),
+                         array("Q", ((i % per) * span for i in ids)),
+                         array("Q", [16 << 10]) * records, array("Q", (1 + i for i in ids)))
+    ck = Checkpoint(records + 1, nreg + 1,
+                    [CheckpointRegion("bench", r, per * span) for r in range(1, nreg + 1)], [t])
+    data = encode_checkpoint(ck)
+    (path / CHECKPOINT).write_bytes(data)
+    del keys, t
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    got = recover(str(path), nreg * rb, rb, clean=True)
+    load_s = time.perf_counter() - t0
+    load_cpu_s = time.process_time() - c0
+    if got.index.objects() != records or not got.scan_skipped:
+        raise RuntimeError(f"checkpoint recovery found {got.index.objects()} of {records}")
+    t0 = time.perf_counter()  # what the store's checkpoint does with this index
+    snap = got.index.entries("bench")
+    encode_checkpoint(Checkpoint(records + 1, nreg + 1, ck.regions,
+                                 [CheckpointTenant("bench", *columns(snap))]))
+    encode_s = time.perf_counter() - t0
+    del got, snap, ck
+    shutil.rmtree(path)
+    return {"records": records, "load_s": load_s, "load_s_per_million": load_s / records * 1e6,
+            "load_cpu_s_per_million": load_cpu_s / records * 1e6,
+            "encode_s_per_million": encode_s / records * 1e6,
+            "checkpoint_mib": len(data) / MiB}
+
+
+def scan(root: Path, records: int, threads: int) -> dict[str, Any]:
+    """Recovery by scan (no checkpoint: a crash before the first) of ``records``
+    records of 4 KiB."""
+    path = root / "scan"
+    store = DiskStore(DiskSettings(str(path), records * record_span(4096) * 2 + 64 * MiB,
+                                   checkpoint_s=0))
+    store.open()
+    store.wait_recovered(60)
+    value = bytes(4096)
+    _parallel(threads, records, lambda t, i: store.write("bench", f"{i:064x}", value))
+    store.close(clean=False)
+    os.unlink(path / CHECKPOINT)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    got = recover(str(path), records * record_span(4096) * 2, 64 * MiB, clean=False)
+    took = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    if got.index.objects() != records:
+        raise RuntimeError(f"the scan found {got.index.objects()} of {records} records")
+    shutil.rmtree(path)
+    return {"records": records, "scan_s": took, "scan_s_per_million": took / records * 1e6,
+            "scan_cpu_s_per_million": cpu / records * 1e6}
+
+
+# ------------------------------------------------------------ through the daemon
+
+class _TierDaemon:
+    """An ``ems-server --disk`` in ``root`` and one client of it; restartable."""
+
+    def __init__(self, root: Path, shm_bytes: int, disk_bytes: int) -> None:
+        self.root = root
+        self.shm_bytes = shm_bytes
+        self.disk_dir = root / "disk"
+        self.args = ["--disk", str(self.disk_dir), "--disk-capacity", str(disk_bytes),
+                     "--disk-checkpoint-s", "60"]
+        self.sock_dir = tempfile.mkdtemp(prefix="ems-bench-disk-")  # short socket path
+        self.daemon: Optional[EmsDaemon] = None
+        self.client: Optional[EmsSystem] = None
+        self.start()
+
+    def start(self) -> None:
+        self.daemon = EmsDaemon(self.sock_dir, self.shm_bytes, str(self.root),
+                                extra_args=self.args)
+        self.client = EmsSystem("daemon", self.shm_bytes, socket_dir=self.sock_dir)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.daemon is not None:
+            self.daemon.service.stop(timeout_s=120)  # SIGTERM: flush, checkpoint, mark
+            self.daemon = None
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+            shutil.rmtree(self.disk_dir, ignore_errors=True)  # the next size starts empty
+
+    def report(self) -> dict[str, Any]:
+        return server_report(os.path.join(self.sock_dir, PoolSettings.SOCKET_NAME), 10)
+
+    def disk(self) -> dict[str, Any]:
+        d: dict[str, Any] = self.report()["disk"]
+        return d
+
+    def settle(self, timeout_s: float = 300) -> dict[str, Any]:
+        """Wait until nothing waits or runs for the disk; its report then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            d = self.disk()
+            if not d["queued_write_bytes"] and not d["inflight_write_bytes"]:
+                return d
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the disk tier did not settle within {timeout_s} s: {d}")
+            time.sleep(0.005)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _load_all(client: EmsSystem, keys: Sequence[str], buf: np.ndarray) -> tuple[float, int]:
+    """Load ``keys`` in batches of ``len(buf)``; seconds taken and keys found."""
+    n = buf.shape[0]
+    found = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), n):
+        batch = keys[i:i + n]
+        found += client.load_found(batch, buf[:len(batch)])
+    return time.perf_counter() - t0, found
+
+
+def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: int
+               ) -> dict[str, Any]:
+    """Spill, load of the evicted objects, and load after a restart, of ``total_bytes``
+    of ``size``-byte values through a daemon with ``shm_bytes`` of shared memory."""
+    count = total_bytes // size
+    keys = [f"{name.split()[0].lower()}-{size}-{i}" for i in range(count)]
+    per_save = max(1, min(SAVE_BATCH_BYTES, shm_bytes // 4) // size)
+    src = touched(per_save * size).reshape(per_save, size)
+    src[:] = np.random.default_rng(size).integers(0, 256, src.shape, dtype=np.uint8)
+    dst = touched(max(1, min(LOAD_BATCH_BYTES, shm_bytes // 4) // size) * size
+                  ).reshape(-1, size)
+    tier = _TierDaemon(root, shm_bytes, 4 * total_bytes + 256 * MiB)
+    try:
+        assert tier.client is not None
+        d0 = tier.disk()
+        throttled_s = 0.0
+        t0 = time.perf_counter()
+        for i in range(0, count, per_save):
+            t1 = time.perf_counter()
+            while tier.disk()["queued_write_bytes"] > shm_bytes // 4:
+                time.sleep(0.002)
+            throttled_s += time.perf_counter() - t1
+            batch = keys[i:i + per_save]
+            tier.client.save(batch, src[:len(batch)])
+        saved_s = time.perf_counter() - t0
+        d1 = tier.settle()
+        spill_s = time.perf_counter() - t0
+        written = d1["bytes_written"] - d0["bytes_written"]
+        report = tier.report()["tenants"]["(anonymous)"]
+        # The objects shared memory no longer holds: all but the last shm's worth.
+        evicted = keys[:max(0, count - 2 * (shm_bytes // size))]
+        load_evicted_s, evicted_found = _load_all(tier.client, evicted, dst)
+        d2 = tier.disk()
+        tier.stop()
+        t1 = time.perf_counter()
+        tier.start()
+        restart_s = time.perf_counter() - t1
+        assert tier.client is not None
+        d3 = tier.disk()
+        assert tier.daemon is not None
+        pid = tier.daemon.service.pid
+        cpu0, ccpu0 = _cpu_s(pid), time.process_time()
+        load_restart_s, restart_found = _load_all(tier.client, keys, dst)
+        daemon_cpu_s, client_cpu_s = _cpu_s(pid) - cpu0, time.process_time() - ccpu0
+        d4 = tier.disk()
+        # The same batch size again from shared memory (the last keys loaded are
+        # there): what a load costs without the disk, for the profile.
+        tail = keys[-dst.shape[0]:]
+        load_shm_s, shm_found = _load_all(tier.client, tail, dst)
+        if restart_found == count:  # the last batch's first key, byte for byte
+            last = (count - 1) // dst.shape[0] * dst.shape[0]
+            if not np.array_equal(dst[0], src[last % per_save]):
+                raise RuntimeError(f"{keys[last]} loaded from disk differs from its save")
+    finally:
+        tier.close()
+    return {
+        "name": name, "size": size, "count": count, "bytes": count * size,
+        "shm_bytes": shm_bytes,
+        "spill_gbps": written / spill_s / 1e9, "spill_s": spill_s,
+        "client_save_s": saved_s, "client_throttled_s": throttled_s,
+        "bytes_written": written, "evictions": report.get("evictions"),
+        "evicted_before_write": d1.get("evicted_before_write", 0),
+        "load_evicted_gbps": evicted_found * size / load_evicted_s / 1e9 if evicted else None,
+        "load_evicted_objects": len(evicted), "load_evicted_found": evicted_found,
+        "load_evicted_disk_hits": d2["tier"]["hits"] - d1["tier"]["hits"],
+        "restart_s": restart_s, "records_recovered": d3["records_recovered"],
+        "scan_skipped": d3["scan_skipped"],
+        "load_restart_gbps": restart_found * size / load_restart_s / 1e9,
+        "load_restart_found": restart_found,
+        "load_batch_bytes": dst.nbytes,
+        "load_shm_gbps": shm_found * size / load_shm_s / 1e9,
+        "load_restart_daemon_cpu_s_per_gb": daemon_cpu_s / max(restart_found * size / 1e9,
+                                                               1e-9),
+        "load_restart_client_cpu_s_per_gb": client_cpu_s / max(restart_found * size / 1e9,
+                                                               1e-9),
+        "load_restart_disk_hits": d4["tier"]["hits"] - d3["tier"]["hits"],
+        "direct_io": d4["direct_io"], "direct_reads": d4["direct_reads"],
+        "buffered_reads": d4["buffered_reads"],
+        "read_latency_p50_ms": (d4["read_latency_p50_s"] or 0) * 1e3,
+        "read_latency_p99_ms": (d4["read_latency_p99_s"] or 0) * 1e3,
+        "write_latency_p50_ms": (d1["write_latency_p50_s"] or 0) * 1e3,
+        "write_latency_p99_ms": (d1["write_latency_p99_s"] or 0) * 1e3,
+    }
+
+
+# ----------------------------------------------------------------------- the run
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``--disk*`` options of ``ems bench``."""
+    g = ap.add_argument_group("disk tier (--disk)")
+    g.add_argument("--disk", action="store_true",
+                   help="run the disk-tier bench only (writes bench-disk.json into --out)")
+    g.add_argument("--disk-dir", default=None,
+                   help="directory on the disk to measure (default: --out); a temp "
+                        "directory inside it is removed after")
+    g.add_argument("--disk-mib", type=int, default=256,
+                   help="working set per value size, MiB (disk use about 2x this)")
+    g.add_argument("--disk-shm-mib", type=int, default=0,
+                   help="the daemon's shared memory, MiB (default: a quarter of --disk-mib)")
+    g.add_argument("--disk-reps", type=int, default=2,
+                   help="repetitions of each limit and tier run, interleaved (best of each)")
+    g.add_argument("--disk-records", type=int, default=1_000_000,
+                   help="records of the synthetic checkpoint (recovery)")
+    g.add_argument("--disk-scan", type=int, default=20_000,
+                   help="records recovered by a scan (no checkpoint)")
+
+
+def run(root: Path, mib: int, shm_mib: int, records: int, scan_records: int,
+        reps: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every measurement in ``root`` (emptied after); the results as a dict."""
+    threads = IO_THREADS
+    shm = (shm_mib or max(8, mib // 4)) * MiB
+    out: dict[str, Any] = {"threads": threads, "mib": mib, "shm_bytes": shm, "align": ALIGN,
+                           "sizes": []}
+    say(f"{'values':<18}{'limit w':>8}{'spill':>7}{'ratio':>6}  {'limit r':>8}"
+        f"{'evicted':>8}{'ratio':>6}{'restart':>8}{'ratio':>6}  {'store w/r':>10}  "
+        f"(GB/s, {threads} threads)")
+    for name, size in SIZES:
+        count = max(threads, (mib * MiB) // size)
+        limits, runs = [], []
+        for _ in range(reps):  # interleaved, best of each: the machine is shared
+            limits.append(device_limit(root, size, count, threads))
+            runs.append(tier_speed(root, name, size, count * size, shm))
+        lw, lr = max(x[0] for x in limits), max(x[1] for x in limits)
+        tier = dict(max(runs, key=lambda r: float(r["load_restart_gbps"])))
+        for key in ("spill_gbps", "load_evicted_gbps", "load_shm_gbps"):
+            tier[key] = max((r[key] for r in runs if r[key] is not None), default=None)
+        store = store_speed(root, size, count, threads)
+        row = {**tier, "limit_write_gbps": lw, "limit_read_gbps": lr, "reps": reps,
+               "limits": limits, "runs": runs,
+               "spill_ratio": tier["spill_gbps"] / lw,
+               "load_evicted_ratio": (tier["load_evicted_gbps"] / lr
+                                      if tier["load_evicted_gbps"] else None),
+               "load_restart_ratio": tier["load_restart_gbps"] / lr,
+               "store": store}
+        out["sizes"].append(row)
+        ev = row["load_evicted_gbps"] or 0.0
+        say(f"{name:<18}{lw:>8.2f}{tier['spill_gbps']:>7.2f}{row['spill_ratio']:>6.2f}  "
+            f"{lr:>8.2f}{ev:>8.2f}{(row['load_evicted_ratio'] or 0):>6.2f}"
+            f"{tier['load_restart_gbps']:>8.2f}{row['load_restart_ratio']:>6.2f}  "
+            f"{store['write_gbps']:>4.2f}/{store['read_gbps']:<4.2f}")
+    ck = checkpoint_load(root, records)
+    say(f"checkpoint load: {ck['records']} records in {ck['load_s']:.2f} s "
+        f"({ck['load_s_per_million']:.2f} s per million, CPU "
+        f"{ck['load_cpu_s_per_million']:.2f} s; {ck['checkpoint_mib']:.0f} MiB)")
+    sc = scan(root, scan_records, threads)
+    say(f"scan (no checkpoint): {sc['records']} records of 4 KiB in {sc['scan_s']:.2f} s "
+        f"({sc['scan_s_per_million']:.1f} s per million, CPU "
+        f"{sc['scan_cpu_s_per_million']:.1f} s)")
+    out["checkpoint"] = ck
+    out["scan"] = sc
+    return out
+
+
+def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``ems bench --disk``: run, print, write ``OUT/bench-disk.json``."""
+    for name in ("disk_mib", "disk_records", "disk_scan", "disk_reps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"ems bench: --{name.replace('_', '-')} must be >= 1")
+    base = args.disk_dir or args.out
+    os.makedirs(base, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]  # other processes' CPU demand: this bench needs CPUs too
+    restore = procs.install_signal_handlers()
+    root = Path(tempfile.mkdtemp(dir=base, prefix=".ems-bench-disk-"))
+    try:
+        results = run(root, args.disk_mib, args.disk_shm_mib, args.disk_records,
+                      args.disk_scan, args.disk_reps)
+    except KeyboardInterrupt:
+        print("ems bench: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        restore()
+        shutil.rmtree(root, ignore_errors=True)
+    data = {"schema": 1, "date": started.isoformat(timespec="seconds"),
+            "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
+            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
+            "ems": commit(), "argv": list(argv), **results}
+    path = os.path.join(args.out, "bench-disk.json")
+    write_json(path, data)
+    print(f"wrote {path} ({data['elapsed_s']:.0f} s)")
+    return 0
