@@ -69,6 +69,41 @@ def hang_pool_before_load(pid: int):
     return undo
 
 
+def skip_group_after_load(kind: str):
+    """The negative control of a hybrid model: after every load, zero the pages just
+    loaded of the KV cache group whose spec is ``kind`` (e.g. SlidingWindowSpec): what
+    a connector that skipped that group would leave, so the test sees that a skipped
+    group changes the outputs."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from ems.integrations.kv_layout import NULL_BLOCK
+    worker = get_kv_transfer_group()
+    group = [type(spec).__name__ for spec in worker._specs].index(kind)
+    original = worker.start_load_kv
+
+    def start_load_kv(forward_context, **kwargs):
+        meta = worker._connector_metadata
+        original(forward_context, **kwargs)
+        layers = worker._session._layout[0]
+        for t in getattr(meta, "loads", ()):
+            ids = [b for b in t.block_ids[group] if b != NULL_BLOCK]
+            for li in worker._layer_groups()[group]:
+                for tensor in layers[li]:
+                    tensor[torch.tensor(ids, dtype=torch.long)] = 0
+
+    worker.start_load_kv = start_load_kv
+
+
+def kv_cache_groups(llm) -> list:
+    """The engine's KV cache groups (their spec kinds); single-process mode only."""
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        return [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
+    except AttributeError:
+        return []
+
+
 def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -85,8 +120,15 @@ def run_engine(spec: dict) -> dict:
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               skip_tokenizer_init=True, max_num_batched_tokens=spec.get("max_batched", 2048),
               tensor_parallel_size=spec.get("tp", 1),
+              prefix_caching_hash_algo=spec.get("hash_algo", "sha256"),
+              # "hybrid": the hybrid KV cache manager must be on (vLLM fails at start
+              # where it cannot); default: vLLM's choice
+              disable_hybrid_kv_cache_manager=False if spec.get("hybrid") else None,
               **kwargs)
-    result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2), "steps": []}
+    result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2),
+              "steps": [], "kv_cache_groups": kv_cache_groups(llm)}
+    if spec.get("skip_group_after_load") is not None:
+        skip_group_after_load(spec["skip_group_after_load"])
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),
                         detokenize=False, ignore_eos=True)
     for step in spec["steps"]:

@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+from ems.integrations.kv_layout import (
+    canonical_layer,
+    chunk_descs,
+    group_kind,
+    key64,
+    mirror_shapes,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -66,5 +72,24 @@ def test_key64_is_stable_signed_64_bit_and_distinct():
     assert key64((1 << 64) - 1) == -1 and key64(5) == 5
 
 
-def test_block_slots_are_whole_blocks_in_order():
-    assert block_slots([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+def test_chunk_descs_are_whole_blocks_per_group():
+    assert chunk_descs([[3, 1], [0, 5]], 4) == [[(12, 4), (4, 4)], [(0, 4), (20, 4)]]
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    pass
+
+
+class MambaSpec:
+    pass
+
+
+def test_group_kinds_by_exact_type():
+    assert group_kind(FullAttentionSpec()) == "full"
+    assert group_kind(MLAAttentionSpec()) == "full"
+    assert group_kind(SlidingWindowSpec()) == "window"
+    assert group_kind(MambaSpec()) is None
+
+    class RSWASpec(FullAttentionSpec):  # a subclass with its own semantics
+        pass
+    assert group_kind(RSWASpec()) is None

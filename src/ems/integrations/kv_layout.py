@@ -17,7 +17,26 @@
   for the scheduler process, which has no tensors (it registers them on ``meta``).
   The worker checks that its real tensors give these very shapes.
 * :func:`key64` -- an engine block hash (bytes) as the SDK's signed 64-bit int.
-* :func:`block_slots` -- the slot_mapping of whole blocks.
+* :func:`group_kind` -- what ems does with a KV cache group of a kind (below).
+* :func:`chunk_descs` -- the SDK's chunk_descs of whole blocks, per KV cache group.
+
+KV cache groups (hybrid models, vLLM's hybrid KV cache manager): each group has its
+own block ids, and the pool object of a block holds, group by group, every layer's
+page of that block (the SDK's layer groups), so a block is in the pool with every
+group or not at all: a hit is the minimum over groups by construction. Per kind:
+
+=====================  =======================  ======================================
+group kind             saved                    loaded at a hit of ``h`` blocks
+=====================  =======================  ======================================
+full attention, MLA    every full prompt block  every block
+sliding window,        every full prompt block  the blocks vLLM gives ids to (the
+chunked local attn     (copied before the step  window before ``h``); its null block
+                       ends: vLLM reuses a      gets the others' pages, and vLLM never
+                       block once out of the    reads it
+                       window)
+Mamba / linear attn,   -- (the connector turns itself off: its state is per request,
+anything else          not per block of tokens)
+=====================  =======================  ======================================
 """
 
 from __future__ import annotations
@@ -27,7 +46,26 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["block_slots", "canonical_layer", "key64", "mirror_shapes"]
+__all__ = ["NULL_BLOCK", "canonical_layer", "chunk_descs", "group_kind", "key64",
+           "mirror_shapes"]
+
+#: vLLM's placeholder block (a windowed group's blocks out of the window); never
+#: allocated to a request, never read
+NULL_BLOCK = 0
+_FULL = {"FullAttentionSpec", "MLAAttentionSpec"}
+_WINDOW = {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}
+
+
+def group_kind(spec: Any) -> Optional[str]:
+    """``"full"`` or ``"window"`` for the KV cache spec of a group ems serves, None for
+    one it does not (Mamba state, encoder-only, anything newer: by exact type, so a
+    new subclass with other semantics is never served by mistake)."""
+    name = type(spec).__name__
+    if name in _FULL:
+        return "full"
+    if name in _WINDOW:
+        return "window"
+    return None
 
 
 def key64(block_hash: Any) -> int:
@@ -70,7 +108,6 @@ def canonical_layer(kv: torch.Tensor, block_size: int, spec: Any, on_cpu: bool
     raise ValueError(f"unsupported KV cache layout {shape} (block_size {block_size})")
 
 
-def block_slots(block_ids: list[int], block_size: int) -> torch.Tensor:
-    """Every slot of ``block_ids`` in order (``block * block_size + position``)."""
-    ids = torch.tensor(block_ids, dtype=torch.int64)
-    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+def chunk_descs(block_ids: list[list[int]], block_size: int) -> list[list[tuple[int, int]]]:
+    """Per group, each block's whole page: ``(block * block_size, block_size)``."""
+    return [[(b * block_size, block_size) for b in ids] for ids in block_ids]

@@ -66,11 +66,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
-from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+from ems.integrations.kv_layout import (
+    NULL_BLOCK,
+    canonical_layer,
+    chunk_descs,
+    group_kind,
+    key64,
+    mirror_shapes,
+)
 from ems.integrations.session import PoolSession
 from ems.integrations.settings import ConnectorSettings
 
@@ -91,11 +99,15 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- metadata
 @dataclasses.dataclass
 class BlockTransfer:
-    """Blocks of one request to move: engine block ids and their 64-bit keys."""
+    """Blocks of one request to move: per KV cache group, the engine's block ids of
+    these blocks (``block_ids[g][i]``: block ``i`` in group ``g``), and their keys."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     hashes: list[int]
+    #: an asynchronous load (hybrid models): reported in finished_recving, and a
+    #: failure in failed_recving (the whole request is recomputed)
+    is_async: bool = False
 
 
 @dataclasses.dataclass
@@ -182,7 +194,7 @@ class _Plan:
     """The scheduler's view of one request."""
 
     request: Any
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
     hashes: list[int] = dataclasses.field(default_factory=list)
     local_blocks: int = 0  # leading blocks vLLM had (its prefix cache)
     load_blocks: int = 0  # blocks after those to load from the pool (0: none)
@@ -191,7 +203,7 @@ class _Plan:
     has_saves: bool = False
 
 
-class EmsConnector(KVConnectorBase_V1):
+class EmsConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -211,11 +223,21 @@ class EmsConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         from vllm.platforms import current_platform
         self._on_cpu = current_platform.is_cpu()
-        self._spec: Any = groups[0].kv_cache_spec if len(groups) == 1 else None
-        if self._spec is None:
-            self._disabled = f"{len(groups)} KV cache groups (hybrid models: not supported)"
-        self._num_layers = len(groups[0].layer_names) if len(groups) == 1 else 0
-        self._is_mla = self._spec is not None and type(self._spec).__name__.startswith("MLA")
+        # Per KV cache group: its spec and its layers (hybrid models have several; one
+        # pool object per block holds every group's pages of it, see kv_layout).
+        self._specs: list[Any] = [g.kv_cache_spec for g in groups]
+        self._group_layers: list[list[str]] = [list(g.layer_names) for g in groups]
+        self._kinds = [group_kind(spec) for spec in self._specs]
+        self._disabled = self._unsupported(groups)
+        self._num_layers = sum(len(names) for names in self._group_layers)
+        self._is_mla = bool(self._specs) and all(
+            type(spec).__name__.startswith("MLA") for spec in self._specs)
+        # Several groups: vLLM takes load failures per request only (block ids are
+        # per group), so loads are asynchronous and a failure recomputes the request;
+        # a windowed group's blocks may be reused once out of the window, so a save
+        # copies them before the step ends (see wait_for_save).
+        self._hybrid = len(groups) > 1
+        self._windowed = any(kind == "window" for kind in self._kinds)
         if (role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy == "fail"
                 and self.settings.load_failure_policy == "recompute"):
             # vLLM reads the policy after building the connector: a pool miss or a
@@ -232,8 +254,11 @@ class EmsConnector(KVConnectorBase_V1):
         self._plans: dict[str, _Plan] = {}
         # req_id -> (local blocks, pool hits, when asked)
         self._lookups: dict[str, tuple[int, int, float]] = {}
+        self._async_loads: list[str] = []  # allocated, to load in the next step
         # worker
         self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()  # asynchronous loads done (finished_recving)
+        self._load_failed: set[str] = set()  # ... that failed (failed_recving)
         self._saves: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()
         self._skip_saves = False
@@ -247,6 +272,19 @@ class EmsConnector(KVConnectorBase_V1):
                     role.name.lower(), v1.model_id, self.block_size, v1.llm_engine)
 
     # ------------------------------------------------------------ setup
+    def _unsupported(self, groups: list[Any]) -> str:
+        """Why this engine's KV cache cannot be served ("" when it can)."""
+        if not groups:
+            return "no KV cache groups"
+        for g, (spec, kind) in enumerate(zip(self._specs, self._kinds)):
+            if kind is None:
+                return (f"KV cache group {g} is {type(spec).__name__} (served: full "
+                        f"attention, sliding window, chunked local attention)")
+            if spec.block_size != self.block_size:
+                return (f"KV cache group {g} has block_size {spec.block_size}, not the "
+                        f"engine's {self.block_size}")
+        return ""
+
     def _ems_config(self, vllm_config: "VllmConfig", role: KVConnectorRole) -> EmsConfig:
         par = vllm_config.parallel_config
         tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
@@ -273,35 +311,56 @@ class EmsConnector(KVConnectorBase_V1):
         return EmsConfig(access_id=self.settings.access_id,
                          access_key=self.settings.access_key, cc_config_v1=v1)
 
+    def _layer_groups(self) -> Optional[list[list[int]]]:
+        """The SDK's layer groups: registered layers are ordered group by group."""
+        if not self._hybrid:
+            return None
+        out, i = [], 0
+        for names in self._group_layers:
+            out.append(list(range(i, i + len(names))))
+            i += len(names)
+        return out
+
     def _register_mirror(self) -> None:
-        shapes, page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
-        layer = [torch.empty((1, *s), dtype=self._spec.dtype, device="meta") for s in shapes]
-        self._session.register([list(layer) for _ in range(self._num_layers)], page,
-                               real=False)
+        layers: list[list[torch.Tensor]] = []
+        page = None
+        for spec, names in zip(self._specs, self._group_layers):
+            shapes, page, _ = mirror_shapes(spec, self.block_size, self._on_cpu)
+            for _ in names:
+                layers.append([torch.empty((1, *s), dtype=spec.dtype, device="meta")
+                               for s in shapes])
+        self._session.register(layers, page, real=False, groups=self._layer_groups())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._disabled:
             return
-        layers, page = [], None
-        try:
-            for kv in kv_caches.values():
-                tensors, page = canonical_layer(kv, self.block_size, self._spec, self._on_cpu)
+        layers: list[list[torch.Tensor]] = []
+        page = None
+        for g, (spec, names) in enumerate(zip(self._specs, self._group_layers)):
+            want, want_page, _ = mirror_shapes(spec, self.block_size, self._on_cpu)
+            for name in names:
+                kv = kv_caches.get(name)
+                if kv is None:
+                    self._disable(f"vLLM registered no KV cache for layer {name!r} "
+                                  f"(group {g})")
+                    return
+                try:
+                    tensors, page = canonical_layer(kv, self.block_size, spec, self._on_cpu)
+                except ValueError as exc:
+                    self._disable(f"layer {name!r}: {exc}")
+                    return
+                got = [tuple(t.shape[1:]) for t in tensors]
+                if got != want or page != want_page or tensors[0].dtype != spec.dtype:
+                    self._disable(f"the worker's layout of {name!r} {got} "
+                                  f"({tensors[0].dtype}) is not the one the scheduler looks "
+                                  f"up ({want}, {spec.dtype})")
+                    return
                 layers.append(tensors)
-        except ValueError as exc:
-            self._disable(str(exc))
-            return
-        want, want_page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
-        got = [tuple(t.shape[1:]) for t in layers[0]]
-        if (got != want or page != want_page or len(layers) != self._num_layers
-                or layers[0][0].dtype != self._spec.dtype):
-            self._disable(f"the worker's layout {got} x {len(layers)} layers "
-                          f"({layers[0][0].dtype}) is not the one the scheduler looks up "
-                          f"({want} x {self._num_layers}, {self._spec.dtype})")
-            return
         self._device_is_cuda = layers[0][0].device.type == "cuda"
-        self._session.register(layers, page, real=True)
-        logger.info("ems: registered %d layers of %s pages %s", len(layers),
-                    "opaque" if page else "paged", got)
+        self._session.register(layers, page, real=True, groups=self._layer_groups())
+        logger.info("ems: registered %d layers in %d KV cache group(s) (%s) of %s pages",
+                    len(layers), len(self._specs), ", ".join(map(str, self._kinds)),
+                    "opaque" if page else "paged")
 
     def _disable(self, why: str) -> None:
         self._disabled = why
@@ -323,6 +382,10 @@ class EmsConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
+        """Leading whole blocks after vLLM's own hit that the pool holds. A pool object
+        holds every KV cache group's pages of its block, so a hit has every group
+        (the minimum over groups is the object count); a hybrid model loads them
+        asynchronously (see ``__init__``)."""
         prompt = request.prompt_token_ids
         if self._disabled or not prompt:
             return 0, False
@@ -334,7 +397,8 @@ class EmsConnector(KVConnectorBase_V1):
         prev = self._lookups.get(request.request_id)
         if prev is not None and prev[0] == first and \
                 now - prev[2] < self.settings.lookup_reuse_ms / 1000.0:
-            return prev[1] * bs, False  # asked again while waiting for blocks
+            # asked again while waiting for blocks
+            return prev[1] * bs, self._hybrid and prev[1] > 0
         hits = 0
         if (self._can_load and last > first
                 and not getattr(request, "skip_reading_prefix_cache", False)):
@@ -347,7 +411,7 @@ class EmsConnector(KVConnectorBase_V1):
                                tokens_hit=hits * bs, lookup_s=time.perf_counter() - t0)
         # vLLM's own cache had ``first`` blocks: they need no save either
         self._lookups[request.request_id] = (first, hits, now)
-        return hits * bs, False
+        return hits * bs, self._hybrid and hits > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -359,18 +423,28 @@ class EmsConnector(KVConnectorBase_V1):
         plan.load_blocks = min(n_load, hits) if num_external_tokens else 0
         plan.load_planned = plan.load_blocks > 0
         plan.saved_upto = max(plan.saved_upto, first + plan.load_blocks)
+        if plan.load_planned and self._hybrid:
+            # An asynchronous load: the request waits (not scheduled) until the
+            # worker reports it; its blocks are these, in every group.
+            plan.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+            self._async_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"
                              ) -> KVConnectorMetadata:
         meta = EmsConnectorMetadata()
         if self._disabled:
             return meta
+        for req_id in self._async_loads:
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                self._plan_load(plan, req_id, meta)
+        self._async_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self._plans.get(new.req_id)
             if plan is None:
                 continue
-            plan.block_ids = list(new.block_ids[0])
+            plan.block_ids = [list(ids) for ids in new.block_ids]
             if plan.saved_upto < 0:
                 plan.saved_upto = new.num_computed_tokens // self.block_size
             self._plan_load(plan, new.req_id, meta)
@@ -383,9 +457,12 @@ class EmsConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                plan.block_ids = list(new_ids[0]) if new_ids else []
+                plan.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                plan.block_ids.extend(new_ids[0])
+                if not plan.block_ids:
+                    plan.block_ids = [[] for _ in new_ids]
+                for have, more in zip(plan.block_ids, new_ids):
+                    have.extend(more)
             self._plan_load(plan, req_id, meta)
             self._plan_saves(plan, req_id, cached.num_computed_tokens[i] + scheduled[req_id],
                              meta)
@@ -398,40 +475,63 @@ class EmsConnector(KVConnectorBase_V1):
             return
         plan.load_planned = False
         a, b = plan.local_blocks, plan.local_blocks + plan.load_blocks
-        meta.loads.append(BlockTransfer(req_id, plan.block_ids[a:b], self._hashes(plan, b)[a:]))
+        # A windowed group's blocks that are out of the window at the hit point are
+        # vLLM's null block: their pages land there and are never read (vLLM reads
+        # only the window), every other group gets every block.
+        meta.loads.append(BlockTransfer(req_id, [ids[a:b] for ids in plan.block_ids],
+                                        self._hashes(plan, b)[a:], is_async=self._hybrid))
 
     def _plan_saves(self, plan: _Plan, req_id: str, computed: int,
                     meta: EmsConnectorMetadata) -> None:
-        if not self._can_save:
+        if not self._can_save or not plan.block_ids:
             return
         n_prompt = len(plan.request.prompt_token_ids or ())
         done = min(computed, n_prompt) // self.block_size
-        done = min(done, len(plan.block_ids), len(self._hashes(plan, done)))
-        if done > plan.saved_upto:
-            a = plan.saved_upto
-            meta.saves.append(BlockTransfer(req_id, plan.block_ids[a:done],
+        done = min(done, *(len(ids) for ids in plan.block_ids),
+                   len(self._hashes(plan, done)))
+        a = plan.saved_upto
+        # Only blocks every group holds: a windowed group's block is null once out of
+        # the window (a block computed in this step never is; one that is cannot be
+        # saved whole, and neither can any block after it: keys are a prefix chain).
+        for i in range(a, done):
+            if any(ids[i] == NULL_BLOCK for ids in plan.block_ids):
+                done = i
+                break
+        if done > a:
+            meta.saves.append(BlockTransfer(req_id, [ids[a:done] for ids in plan.block_ids],
                                             self._hashes(plan, done)[a:]))
             plan.saved_upto = done
             plan.has_saves = True
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them again then (a
-        load fails when the pool hung or lost them; the next request should hit)."""
+        load fails when the pool hung or lost them; the next request should hit). A
+        failed asynchronous load (hybrid models) recomputes the whole request."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                plan.saved_upto = -1
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
         for plan in self._plans.values():
-            for i, block in enumerate(plan.block_ids[:plan.saved_upto]):
+            ids = plan.block_ids[0] if plan.block_ids else []
+            for i, block in enumerate(ids[:plan.saved_upto]):
                 if block in invalid:
                     plan.saved_upto = i
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._lookups.pop(request.request_id, None)
         plan = self._plans.pop(request.request_id, None)
         # Saves were planned: the worker reports this request in finished_sending once
-        # they are done, and only then may vLLM reuse its blocks.
+        # they are done, and only then may vLLM reuse its blocks (of every group).
         return bool(plan is not None and plan.has_saves), None
 
     # ------------------------------------------------------------ worker side
@@ -447,14 +547,21 @@ class EmsConnector(KVConnectorBase_V1):
             return
         bs = self.block_size
         t0 = time.perf_counter()
-        got = self._session.load([(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+        got = self._session.load([(t.hashes, chunk_descs(t.block_ids, bs))
                                   for t in meta.loads])
         loaded = failed = 0
         for t, n in zip(meta.loads, got):
             loaded += n
-            if n < len(t.block_ids):
-                failed += len(t.block_ids) - n
-                self._load_errors.update(t.block_ids[n:])
+            missed = len(t.hashes) - n
+            failed += missed
+            if t.is_async:
+                # vLLM counted every block of the hit: anything less recomputes the
+                # request (never a partial restore)
+                self._loaded.add(t.req_id)
+                if missed:
+                    self._load_failed.add(t.req_id)
+            elif missed:
+                self._load_errors.update(t.block_ids[0][n:])
         self._counters.add(tokens_loaded=loaded * bs, tokens_load_failed=failed * bs,
                            load_s=time.perf_counter() - t0)
 
@@ -466,23 +573,33 @@ class EmsConnector(KVConnectorBase_V1):
         return  # wait_for_save saves every layer of a block at once
 
     def wait_for_save(self) -> None:
+        """Submit the step's saves. With a windowed group (sliding window), wait until
+        they are copied: vLLM frees a block once it leaves the window, at the next
+        step's scheduling (with asynchronous scheduling, while this step still runs),
+        and may hand it to another request, whose next step writes it; this step's
+        end is the last moment its contents are sure to be the saved request's."""
         meta = self._connector_metadata
         if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
             return
         if getattr(self, "_device_is_cuda", False):
             torch.cuda.current_stream().synchronize()  # the forward's writes are done
         bs = self.block_size
+        submitted = []
         for t in meta.saves:
             futs = self._saves.setdefault(t.req_id, [])
             if self._skip_saves or self._disabled:
                 continue
-            fut = self._session.save(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+            fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs))
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue
             start, n = time.perf_counter(), len(t.hashes)
             fut.add_done_callback(functools.partial(self._saved, start=start, n=n))
             futs.append(fut)
+            submitted.append(fut)
+        if self._windowed:
+            for fut in submitted:
+                fut.result()  # (bounded by save_timeout_ms)
 
     def _saved(self, fut: Future, start: float, n: int) -> None:
         ok = fut.result() if not fut.cancelled() else 0
@@ -497,8 +614,21 @@ class EmsConnector(KVConnectorBase_V1):
         for r in done:
             self._finishing.discard(r)
             del self._saves[r]
+        loaded, self._loaded = self._loaded, set()
         self._maybe_log("worker")
-        return (done or None), None
+        return (done or None), (loaded or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus the asynchronous loads that failed (vLLM recomputes
+        those requests from their start)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._load_failed = self._load_failed, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
