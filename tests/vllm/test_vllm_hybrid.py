@@ -6,12 +6,15 @@ window (64 tokens), layer 1 full attention, so vLLM makes two KV cache groups. E
 scripts (``engine_run.py``, one process each, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 run against one real ``ems-server``:
 
-* run S: the model without the connector (the reference outputs), then with the
-  connector and chunked prefill (128 tokens a step): it stores the prompts' blocks;
-* run L: a fresh process: an engine with the connector loads the prefix (10 blocks,
-  of which the window needs the last 2) and must answer exactly as the reference;
-  then an engine whose loads leave the sliding-window group's pages out (the
-  negative control: its outputs differ, so a skipped group would be caught).
+* run S (``PYTHONHASHSEED=1``): the model without the connector (the reference
+  outputs), then with the connector and chunked prefill (128 tokens a step): it
+  stores the prompts' blocks;
+* run L (a fresh process, no ``PYTHONHASHSEED``: vLLM's block hashes differ from run
+  S's): an engine with the connector loads the prefix (10 blocks, of which the window
+  needs the last 2) and must answer exactly as the reference; an engine with
+  ``prefix_caching_hash_algo="xxhash"`` (random per-process hashes) must hit too;
+  then an engine whose loads leave the sliding-window group's pages out (the negative
+  control: its outputs differ, so a skipped group would be caught).
 """
 
 from __future__ import annotations
@@ -80,15 +83,19 @@ def hybrid_runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> d
                 return json.load(f)["engines"]
 
         env = dict(base_env, **server.client_env())
+        seeded = dict(env, PYTHONHASHSEED="1")
         common = {"model": model, "hybrid": True, "max_model_len": 1024}
         results["reference"], results["store"] = engines("S", [
             {"name": "reference", "connector": False, **common,
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
             {"name": "store", "connector": True, "extra": extra, "max_batched": 4 * BS,
              **common, "steps": [{"name": "shared", "prompts": p["shared"]}]},
-        ], env)
-        results["load"], results["skipped"] = engines("L", [
+        ], seeded)
+        results["load"], results["xxhash"], results["skipped"] = engines("L", [
             {"name": "load", "connector": True, "extra": extra, **common,
+             "steps": [{"name": "shared", "prompts": p["shared"]}]},
+            {"name": "xxhash", "connector": True, "extra": extra, **common,
+             "kv_role": "kv_consumer", "hash_algo": "xxhash",
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
             # loads model's own blocks, then zeroes the sliding-window group's pages
             {"name": "skipped", "connector": True, "extra": extra, **common,
@@ -139,3 +146,16 @@ def test_a_skipped_group_changes_the_outputs(hybrid_runs):
     p = hybrid_runs["prompts"]["shared"]
     assert step["cached"] == [_full_blocks(q) for q in p]
     assert step["tokens"] != _step(hybrid_runs["reference"], "shared")["tokens"]
+
+
+def test_keys_survive_another_hash_seed_and_xxhash(hybrid_runs):
+    """Run L's engines hash blocks otherwise than run S's (no PYTHONHASHSEED against
+    1; xxhash with a random per-process seed), yet find every stored block: the keys
+    are ems's own (block_keys), not vLLM's hashes."""
+    p = hybrid_runs["prompts"]["shared"]
+    ref = _step(hybrid_runs["reference"], "shared")["tokens"]
+    for name in ("load", "xxhash"):
+        step = _step(hybrid_runs[name], "shared")
+        assert step["cached"] == [_full_blocks(q) for q in p], name
+        assert step["tokens"] == ref, name
+        assert step["stats"]["worker"]["key_collisions"] == 0

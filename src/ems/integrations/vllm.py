@@ -28,13 +28,15 @@ A request's life, as the connector sees it::
         |                          until the worker reports the request in
         +<-- finished_sending -- get_finished, once every save of it is done
 
-Block keys: the engine's own prefix-chained block hashes (``request.block_hashes``,
-sha256 over the parent hash, the block's tokens and its extra keys: LoRA, multimodal,
-cache salt), each hashed to 64 bits with blake2b. The scheduler computes them and
-sends them in the metadata, so the worker uses the very same numbers. With vLLM's
-default ``prefix_caching_hash_algo="sha256"`` they are the same in every process and
-every restart; a non-cryptographic algorithm without ``PYTHONHASHSEED`` makes them
-per-process (vLLM warns; the pool then never hits across instances).
+Block keys (:mod:`ems.integrations.block_keys`): ems's own prefix chain of sha256
+over each block's tokens and vLLM's extra keys (LoRA, multimodal hashes, cache salt),
+never vLLM's block hashes, which depend on ``PYTHONHASHSEED`` and on
+``prefix_caching_hash_algo`` (random per process for xxhash): the same tokens give the
+same keys in every engine, process, restart and host. The scheduler computes them and
+sends them in the metadata, so the worker uses the very same numbers. A key is 64
+bits; the block's whole 32-byte digest travels with it in the pool object (an
+identity page, registered as one more layer) and is compared after every load: a
+collision is a miss, recomputed, never the wrong KV.
 
 Layouts (``register_kv_caches``): vLLM's CPU pages (0.32 hands them over as
 ``[num_blocks, kv_heads, block_size, 2*head_size]``, the attention views the same
@@ -71,13 +73,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
+from ems.integrations.block_keys import ROOT, block_digest, key_of
 from ems.integrations.kv_layout import (
     NULL_BLOCK,
     canonical_layer,
     chunk_descs,
     group_kind,
-    key64,
+    identity_shape,
+    leading_identities,
     mirror_shapes,
+    write_identities,
 )
 from ems.integrations.session import PoolSession
 from ems.integrations.settings import ConnectorSettings
@@ -105,6 +110,8 @@ class BlockTransfer:
     req_id: str
     block_ids: list[list[int]]
     hashes: list[int]
+    #: each block's identity (its 32-byte digest), checked after a load
+    identities: list[bytes] = dataclasses.field(default_factory=list)
     #: an asynchronous load (hybrid models): reported in finished_recving, and a
     #: failure in failed_recving (the whole request is recomputed)
     is_async: bool = False
@@ -122,7 +129,7 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 # ---------------------------------------------------------------- statistics
 _COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
-             "save_s", "hooks_s", "failures")
+             "save_s", "hooks_s", "failures", "key_collisions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +148,7 @@ class ConnectorStatistics:
     save_s: float = 0.0  # the saves (beside the engine, on the save thread)
     hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
     failures: int = 0  # pool failures (a call that got no cache)
+    key_collisions: int = 0  # loaded blocks whose identity was another prefix's (a miss)
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -195,7 +203,10 @@ class _Plan:
 
     request: Any
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
-    hashes: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # pool keys
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # their identities
+    mm_index: int = 0  # vLLM's multimodal index after the last block hashed
+    keyless: bool = False  # an extra key without a canonical form: never cached
     local_blocks: int = 0  # leading blocks vLLM had (its prefix cache)
     load_blocks: int = 0  # blocks after those to load from the pool (0: none)
     load_planned: bool = False
@@ -238,6 +249,10 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         # copies them before the step ends (see wait_for_save).
         self._hybrid = len(groups) > 1
         self._windowed = any(kind == "window" for kind in self._kinds)
+        # the group whose block ids carry the identity pages: a full-attention one
+        # (its blocks are never vLLM's null block)
+        self._ident_group = self._kinds.index("full") if "full" in self._kinds else 0
+        self._ident: Optional[torch.Tensor] = None  # the worker's identity pages
         if (role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy == "fail"
                 and self.settings.load_failure_policy == "recompute"):
             # vLLM reads the policy after building the connector: a pool miss or a
@@ -312,23 +327,28 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                          access_key=self.settings.access_key, cc_config_v1=v1)
 
     def _layer_groups(self) -> Optional[list[list[int]]]:
-        """The SDK's layer groups: registered layers are ordered group by group."""
+        """The SDK's layer groups: registered layers are ordered group by group, the
+        identity pages last in their group."""
         if not self._hybrid:
             return None
         out, i = [], 0
-        for names in self._group_layers:
-            out.append(list(range(i, i + len(names))))
-            i += len(names)
+        for g, names in enumerate(self._group_layers):
+            n = len(names) + (g == self._ident_group)
+            out.append(list(range(i, i + n)))
+            i += n
         return out
 
     def _register_mirror(self) -> None:
         layers: list[list[torch.Tensor]] = []
         page = None
-        for spec, names in zip(self._specs, self._group_layers):
+        for g, (spec, names) in enumerate(zip(self._specs, self._group_layers)):
             shapes, page, _ = mirror_shapes(spec, self.block_size, self._on_cpu)
             for _ in names:
                 layers.append([torch.empty((1, *s), dtype=spec.dtype, device="meta")
                                for s in shapes])
+            if g == self._ident_group:
+                layers.append([torch.empty((1, *identity_shape(self.block_size)),
+                                           dtype=torch.uint8, device="meta")])
         self._session.register(layers, page, real=False, groups=self._layer_groups())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -356,6 +376,11 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                                   f"up ({want}, {spec.dtype})")
                     return
                 layers.append(tensors)
+            if g == self._ident_group:
+                num_blocks = layers[-1][0].shape[0]
+                self._ident = torch.zeros((num_blocks, *identity_shape(self.block_size)),
+                                          dtype=torch.uint8, device=layers[-1][0].device)
+                layers.append([self._ident])
         self._device_is_cuda = layers[0][0].device.type == "cuda"
         self._session.register(layers, page, real=True, groups=self._layer_groups())
         logger.info("ems: registered %d layers in %d KV cache group(s) (%s) of %s pages",
@@ -372,12 +397,26 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------ scheduler side
     def _hashes(self, plan: _Plan, n_blocks: int) -> list[int]:
+        """The pool keys of the request's first ``n_blocks`` blocks (fewer when its
+        tokens stop before, or a block has an extra key without a canonical form)."""
         have = len(plan.hashes)
-        if have < n_blocks:
-            bh = plan.request.block_hashes
-            s = self._hash_stride
-            for i in range(have, min(n_blocks, len(bh) // s)):
-                plan.hashes.append(key64(bh[(i + 1) * s - 1]))
+        if have < n_blocks and not plan.keyless:
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+            request, bs = plan.request, self.block_size
+            tokens = request.all_token_ids
+            parent = plan.digests[-1] if plan.digests else ROOT
+            for i in range(have, min(n_blocks, len(tokens) // bs)):
+                extra, plan.mm_index = generate_block_hash_extra_keys(
+                    request, i * bs, (i + 1) * bs, plan.mm_index)
+                try:
+                    parent = block_digest(parent, tokens[i * bs:(i + 1) * bs], extra)
+                except TypeError as exc:
+                    plan.keyless = True
+                    logger.warning("ems: request %s is not cached: %s", request.request_id,
+                                   exc)
+                    break
+                plan.digests.append(parent)
+                plan.hashes.append(key_of(parent))
         return plan.hashes[:n_blocks]
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -478,8 +517,10 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         # A windowed group's blocks that are out of the window at the hit point are
         # vLLM's null block: their pages land there and are never read (vLLM reads
         # only the window), every other group gets every block.
+        keys = self._hashes(plan, b)
         meta.loads.append(BlockTransfer(req_id, [ids[a:b] for ids in plan.block_ids],
-                                        self._hashes(plan, b)[a:], is_async=self._hybrid))
+                                        keys[a:], identities=plan.digests[a:len(keys)],
+                                        is_async=self._hybrid))
 
     def _plan_saves(self, plan: _Plan, req_id: str, computed: int,
                     meta: EmsConnectorMetadata) -> None:
@@ -499,7 +540,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 break
         if done > a:
             meta.saves.append(BlockTransfer(req_id, [ids[a:done] for ids in plan.block_ids],
-                                            self._hashes(plan, done)[a:]))
+                                            self._hashes(plan, done)[a:],
+                                            identities=plan.digests[a:done]))
             plan.saved_upto = done
             plan.has_saves = True
 
@@ -550,7 +592,17 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         got = self._session.load([(t.hashes, chunk_descs(t.block_ids, bs))
                                   for t in meta.loads])
         loaded = failed = 0
-        for t, n in zip(meta.loads, got):
+        for i, t in enumerate(meta.loads):
+            n = got[i]
+            if self._ident is not None and n:
+                # a 64-bit key of another prefix: its blocks are a miss from there on
+                same = leading_identities(self._ident, t.block_ids[self._ident_group][:n],
+                                          t.identities[:n], NULL_BLOCK)
+                if same < n:
+                    self._counters.add(key_collisions=1)
+                    logger.warning("ems: block %d of request %s: a key collision (another "
+                                   "prefix's block): recomputed", same, t.req_id)
+                    n = same
             loaded += n
             missed = len(t.hashes) - n
             failed += missed
@@ -589,6 +641,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
             futs = self._saves.setdefault(t.req_id, [])
             if self._skip_saves or self._disabled:
                 continue
+            if self._ident is not None:
+                write_identities(self._ident, t.block_ids[self._ident_group], t.identities)
             fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs))
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
