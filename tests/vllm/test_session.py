@@ -103,6 +103,12 @@ def test_save_lookup_load_whole_pages(session):
         assert torch.equal(dst[layer][0][5:8], src[layer][0][1:4])
 
 
+def test_a_save_may_carry_the_engines_hashes_for_kv_events(session):
+    session.register(_pages(4, fill=True), BS, real=True)
+    assert session.save([41, 42], _chunks([0, 1]), [7, (1 << 64) - 1]).result() == 2
+    assert session.lookup([41, 42], [BS] * 2) == 2
+
+
 def test_a_mirror_never_replaces_the_real_layout(session):
     real = _pages(4, fill=True)
     session.register(real, BS, real=True)

@@ -88,7 +88,10 @@ def hybrid_runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> d
         results["reference"], results["store"] = engines("S", [
             {"name": "reference", "connector": False, **common,
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
+            # vLLM publishes its own KV events too: the connector's event hashes must
+            # match them
             {"name": "store", "connector": True, "extra": extra, "max_batched": 4 * BS,
+             "vllm_events": True,
              **common, "steps": [{"name": "shared", "prompts": p["shared"]}]},
         ], seeded)
         results["load"], results["xxhash"], results["skipped"] = engines("L", [
@@ -159,3 +162,19 @@ def test_keys_survive_another_hash_seed_and_xxhash(hybrid_runs):
         assert step["cached"] == [_full_blocks(q) for q in p], name
         assert step["tokens"] == ref, name
         assert step["stats"]["worker"]["key_collisions"] == 0
+
+
+def test_saves_carry_the_hashes_vllm_publishes(hybrid_runs):
+    """The hashes the connector hands the pool with its saves (which the daemon's KV
+    events publish) are exactly the full-block hashes vLLM itself published as stored
+    for these prompts (its full-attention group; 8 generated tokens fill no new
+    block), unsigned 64-bit."""
+    events = hybrid_runs["store"]["events"]
+    groups = hybrid_runs["store"]["kv_cache_groups"]
+    published = events["vllm_stored"][str(groups.index("FullAttentionSpec"))]
+    ems = events["ems_event_hashes"]
+    p = hybrid_runs["prompts"]["shared"]
+    n_blocks = len({tuple(q[:(i + 1) * BS]) for q in p for i in range(len(q) // BS)})
+    assert len(ems) == len(set(ems)) == n_blocks  # one per saved block
+    assert set(ems) == set(published)
+    assert all(type(h) is int and 0 <= h < 1 << 64 for h in ems)

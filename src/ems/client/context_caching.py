@@ -247,7 +247,7 @@ class ContextCaching:
         return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
-        names = ("slot_mapping", "hashes", "offsets", "option", "chunk_descs")
+        names = ("slot_mapping", "hashes", "offsets", "option", "chunk_descs", "event_hashes")
         bound = self._bind(op, names, args, kwargs)
         option = validate_option(bound.get("option"), required=False)
         layout, prefix = self._v1_state()
@@ -269,7 +269,13 @@ class ContextCaching:
             mover = layout.plan_slots(slots, offs)
         else:
             raise invalid("V1 calls need slot_mapping+hashes+offsets or hashes+chunk_descs")
-        return _keys.Request(op, [prefix + str(h) for h in hs], mover.sizes, mover, option)
+        events = bound.get("event_hashes")
+        if events is not None:
+            if op != "save":
+                raise invalid(f"{op} takes no event_hashes (a save's KV-event hashes)")
+            events = _keys.validate_event_hashes(events, len(hs))
+        return _keys.Request(op, [prefix + str(h) for h in hs], mover.sizes, mover, option,
+                             events)
 
     @staticmethod
     def _bind(op: str, names: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -217,22 +217,26 @@ class PoolSession:
             with self._lock:
                 self._lookups_busy -= 1
 
-    def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]]
-             ) -> Optional["Future[int]"]:
+    def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]],
+             event_hashes: Optional[Sequence[int]] = None) -> Optional["Future[int]"]:
         """Save on this session's save thread (beside the engine); the future gives the
         leading blocks saved (0 when it failed: counted). None: the pool is not usable.
         ``chunk_descs``: per registered layer group, one ``(start_slot, length)`` per
-        hash (the SDK's chunk_descs semantics: each group's blocks have their own ids)."""
+        hash (the SDK's chunk_descs semantics: each group's blocks have their own ids);
+        ``event_hashes``: the engine's own block hashes, which the daemon publishes in
+        its KV events (None: none)."""
         cc = self.usable()
         if cc is None:
             return None
         option = CcKvOption(timeout=self.settings.save_timeout_ms)
-        return self._saver.submit(self._save, cc, list(hashes), chunk_descs, option)
+        return self._saver.submit(self._save, cc, list(hashes), chunk_descs, option,
+                                  None if event_hashes is None else list(event_hashes))
 
     def _save(self, cc: Any, hashes: list[int], chunk_descs: list[list[tuple[int, int]]],
-              option: CcKvOption) -> int:
+              option: CcKvOption, event_hashes: Optional[list[int]]) -> int:
         try:
-            return int(cc.save(hashes=hashes, chunk_descs=chunk_descs, option=option).success)
+            return int(cc.save(hashes=hashes, chunk_descs=chunk_descs, option=option,
+                               event_hashes=event_hashes).success)
         except EmsException as exc:
             self._failed(exc, "save")
             return 0

@@ -38,6 +38,14 @@ bits; the block's whole 32-byte digest travels with it in the pool object (an
 identity page, registered as one more layer) and is compared after every load: a
 collision is a miss, recomputed, never the wrong KV.
 
+Hybrid models (``SupportsHMA``, vLLM's hybrid KV cache manager): each KV cache group's
+layers are an SDK layer group with its own block ids, one pool object per block holds
+every group's pages of it (a hit is the minimum over groups, a restore never partial),
+loads are asynchronous (vLLM maps their failures to requests), and saves of
+sliding-window blocks are copied before the step ends: see :mod:`ems.integrations.kv_layout`
+and docs/vllm-hybrid.md. Saves carry vLLM's own block hashes (``event_hashes``), which a
+daemon with ``--kv-events`` publishes (docs/kv-events.md).
+
 Layouts (``register_kv_caches``): vLLM's CPU pages (0.32 hands them over as
 ``[num_blocks, kv_heads, block_size, 2*head_size]``, the attention views the same
 storage as ``[num_blocks, kv_heads, 2*block_size, head_size]``: a block's K rows then
@@ -73,7 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
-from ems.integrations.block_keys import ROOT, block_digest, key_of
+from ems.integrations.block_keys import ROOT, block_digest, event_hash, key_of
 from ems.integrations.kv_layout import (
     NULL_BLOCK,
     canonical_layer,
@@ -112,6 +120,9 @@ class BlockTransfer:
     hashes: list[int]
     #: each block's identity (its 32-byte digest), checked after a load
     identities: list[bytes] = dataclasses.field(default_factory=list)
+    #: a save's vLLM block hashes as vLLM publishes them in its KV events (the pool's
+    #: KV events carry them; empty: not known)
+    event_hashes: list[int] = dataclasses.field(default_factory=list)
     #: an asynchronous load (hybrid models): reported in finished_recving, and a
     #: failure in failed_recving (the whole request is recomputed)
     is_async: bool = False
@@ -419,6 +430,14 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 plan.hashes.append(key_of(parent))
         return plan.hashes[:n_blocks]
 
+    def _event_hashes(self, plan: _Plan, a: int, b: int) -> list[int]:
+        """vLLM's own hashes of blocks ``[a, b)`` as it publishes them in KV events (a
+        block's: the hash of its last hash block), or [] when it has not them all."""
+        bh, s = plan.request.block_hashes, self._hash_stride
+        if len(bh) < b * s:
+            return []
+        return [event_hash(bh[(i + 1) * s - 1]) for i in range(a, b)]
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
         """Leading whole blocks after vLLM's own hit that the pool holds. A pool object
@@ -541,7 +560,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         if done > a:
             meta.saves.append(BlockTransfer(req_id, [ids[a:done] for ids in plan.block_ids],
                                             self._hashes(plan, done)[a:],
-                                            identities=plan.digests[a:done]))
+                                            identities=plan.digests[a:done],
+                                            event_hashes=self._event_hashes(plan, a, done)))
             plan.saved_upto = done
             plan.has_saves = True
 
@@ -643,7 +663,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             if self._ident is not None:
                 write_identities(self._ident, t.block_ids[self._ident_group], t.identities)
-            fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs))
+            fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs),
+                                     t.event_hashes or None)
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue

@@ -99,12 +99,21 @@ def undo_late(reply: m.Message) -> list[m.Message]:
 
 # ---------------------------------------------------------------------- daemon
 
+#: Requests whose last field, ``hashes`` (the engine's block hashes, for KV events),
+#: the daemon reads from :attr:`ServerConnection.hashes` instead of as a handler
+#: argument (it changes nothing the handler does; the KV-event observer reads it)
+HASHES_HELD = frozenset({m.Reserve, m.Put})
+
+
 class ServerConnection:
     """The daemon's side of one connection (see the module docstring)."""
 
-    __slots__ = ("_decoder", "access_id", "admin", "nonce", "phase")
+    __slots__ = ("_decoder", "access_id", "admin", "hashes", "nonce", "phase")
 
     def __init__(self) -> None:
+        #: the ``hashes`` of the Reserve or Put just received (None: none sent), until
+        #: the next message: what a handler of one may publish as KV events
+        self.hashes: Optional[list[int]] = None
         self.phase = Phase.HELLO
         self._decoder = FrameDecoder(HANDSHAKE_FRAME_BYTES)
         self.access_id: Optional[str] = None  # of the Hello, while AUTH
@@ -136,6 +145,9 @@ class ServerConnection:
                 raise _bad(f"unexpected {cls.__name__} during {phase.value}")
             elif cls is m.Hello:
                 self.access_id, self.admin = values[0], values[1]
+            if cls in HASHES_HELD:
+                self.hashes = values[-1]
+                values = values[:-1]
             yield cls, values
         if decoder.failed is not None:  # a corrupt frame after good ones
             raise decoder.failed
