@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -71,7 +72,7 @@ MEDIUMS: dict[str, tuple[str, str, str]] = {
     "ems-cluster": ("CPU", "REMOTE", "ems-cluster"),
 }
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_U64 = 1 << 64
+_MASK = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +135,8 @@ class KvEventPublisher:
         self._max_queue = max_queue_batches
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(
             maxlen=buffer_batches)
-        # (tenant, key) -> (hash, space), oldest first
-        self._tracked: collections.OrderedDict[tuple[str, str], int] = \
-            collections.OrderedDict()
+        # (tenant, key) -> hash, oldest first
+        self._tracked: dict[tuple[str, str], int] = {}
         self._max_tracked = max_tracked_keys
         self._seq = 0
         self._counts = collections.Counter[str]()
@@ -161,31 +161,40 @@ class KvEventPublisher:
         for ``tenant``. ``keys`` (the storage keys, parallel to ``hashes``): remembered
         so that :meth:`evicted` can name the hashes of evicted keys, and the topic's
         key space taken from them."""
-        hs = [int(h) % _U64 for h in hashes]
+        hs = [h & _MASK for h in hashes]
         if not hs:
             return
         vllm_medium, locality, ownership = self._medium(medium)
+        # (built before taking the lock: the daemon's loop calls this per commit)
         spaces: dict[str, list[int]] = {}
-        with self._lock:
-            if keys is not None:
-                if len(keys) != len(hs):
-                    raise ValueError("stored: keys and hashes must have equal lengths")
+        if keys is not None:
+            if len(keys) != len(hs):
+                raise ValueError("stored: keys and hashes must have equal lengths")
+            first = space_of(keys[0])
+            prefix = f"v1:{first}:"
+            if first != "-" and all(k.startswith(prefix) for k in keys):
+                spaces[first] = hs  # (one request: one key space)
+            else:
                 for key, h in zip(keys, hs):
                     spaces.setdefault(space_of(key), []).append(h)
-                    self._track(tenant, key, h)
-            else:
-                spaces["-"] = hs
-            for space, group in spaces.items():
-                event = {"type": "BlockStored", "block_hashes": group,
-                         "parent_block_hash": None, "token_ids": [],
-                         "block_size": block_size, "lora_id": None, "medium": vllm_medium,
-                         "lora_name": None, "locality": locality, "ownership": ownership}
-                self._put_locked(self._topic(tenant, space), event)
+        else:
+            spaces["-"] = hs
+        batches = [(self._topic(tenant, space),
+                    {"type": "BlockStored", "block_hashes": group, "parent_block_hash": None,
+                     "token_ids": [], "block_size": block_size, "lora_id": None,
+                     "medium": vllm_medium, "lora_name": None, "locality": locality,
+                     "ownership": ownership})
+                   for space, group in spaces.items()]
+        with self._lock:
+            if keys is not None:
+                self._track(tenant, keys, hs)
+            for topic, event in batches:
+                self._put_locked(topic, event)
 
     def removed(self, tenant: str, hashes: Sequence[int], medium: str = "ems-shm", *,
                 space: str = "-") -> None:
         """``BlockRemoved`` of ``hashes`` from tier ``medium``."""
-        hs = [int(h) % _U64 for h in hashes]
+        hs = [h & _MASK for h in hashes]
         if not hs:
             return
         vllm_medium, locality, ownership = self._medium(medium)
@@ -249,12 +258,13 @@ class KvEventPublisher:
     def _topic(self, tenant: str, space: str) -> bytes:
         return f"kv@{self.host}@{tenant}@{space}".encode()
 
-    def _track(self, tenant: str, key: str, h: int) -> None:
+    def _track(self, tenant: str, keys: Sequence[str], hashes: list[int]) -> None:
         tracked = self._tracked
-        tracked[(tenant, key)] = h
-        tracked.move_to_end((tenant, key))
-        while len(tracked) > self._max_tracked:
-            tracked.popitem(last=False)
+        tracked.update(zip([(tenant, key) for key in keys], hashes))
+        over = len(tracked) - self._max_tracked
+        if over > 0:  # the oldest first (a dict keeps insertion order)
+            for old in list(itertools.islice(tracked, over)):
+                del tracked[old]
 
     def _put_locked(self, topic: bytes, event: dict[str, Any]) -> None:
         if self._closed:
@@ -263,7 +273,8 @@ class KvEventPublisher:
             self._queue.popleft()
             self._counts["dropped"] += 1
         self._queue.append((topic, [time.time(), [event]]))
-        self._wake.notify()
+        if len(self._queue) == 1:  # the sender takes all there is each time it wakes
+            self._wake.notify()
 
     def _run(self) -> None:
         while True:
