@@ -109,6 +109,34 @@ def test_a_save_may_carry_the_engines_hashes_for_kv_events(session):
     assert session.lookup([41, 42], [BS] * 2) == 2
 
 
+def test_a_key_collision_is_told_by_the_identity_pages(session):
+    """The connector's identity pages ride in the block's pool object: after a load
+    they hold the saving request's digests, so a block stored by another prefix under
+    the same 64-bit key is told apart (EmsConnector counts it and recomputes)."""
+    from ems.integrations.block_keys import ROOT, block_digest, key_of
+    from ems.integrations.kv_layout import identity_shape, leading_identities, write_identities
+
+    def with_identity(pages):
+        ident = torch.zeros((8, *identity_shape(BS)), dtype=torch.uint8)
+        return pages + [[ident]], ident
+    src, src_ident = with_identity(_pages(8, fill=True))
+    session.register(src, BS, real=True)
+    digests, parent = [], ROOT
+    for i in range(3):
+        parent = block_digest(parent, list(range(i * BS, (i + 1) * BS)), None)
+        digests.append(parent)
+    write_identities(src_ident, [1, 2, 3], digests)
+    keys = [key_of(d) for d in digests]
+    assert session.save(keys, _chunks([1, 2, 3])).result() == 3
+    dst, dst_ident = with_identity(_pages(8, fill=False))
+    session.register(dst, BS, real=True)
+    assert session.load([(keys, _chunks([5, 6, 7]))]) == [3]
+    assert leading_identities(dst_ident, [5, 6, 7], digests) == 3
+    # another prefix whose second block's key collides: its digest differs
+    other = [digests[0], block_digest(digests[0], [9] * BS, None), digests[2]]
+    assert leading_identities(dst_ident, [5, 6, 7], other) == 1
+
+
 def test_a_mirror_never_replaces_the_real_layout(session):
     real = _pages(4, fill=True)
     session.register(real, BS, real=True)
