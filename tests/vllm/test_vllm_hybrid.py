@@ -14,7 +14,9 @@ run against one real ``ems-server``:
   needs the last 2) and must answer exactly as the reference; an engine with
   ``prefix_caching_hash_algo="xxhash"`` (random per-process hashes) must hit too;
   then an engine whose loads leave the sliding-window group's pages out (the negative
-  control: its outputs differ, so a skipped group would be caught).
+  control: its outputs differ, so a skipped group would be caught);
+* run M: vLLM's default mode (scheduler and worker in other processes): the
+  asynchronous loads' completions cross the process boundary.
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ def hybrid_runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> d
              "kv_role": "kv_consumer", "skip_group_after_load": "SlidingWindowSpec",
              "steps": [{"name": "shared", "prompts": p["shared"]}]},
         ], env)
+        mp_env = {k: v for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        (results["load_mp"],) = engines("M", [
+            {"name": "load-mp", "connector": True, "extra": extra, **common,
+             "kv_role": "kv_consumer",
+             "steps": [{"name": "shared", "prompts": p["shared"]}]},
+        ], mp_env)
     return results
 
 
@@ -178,3 +186,10 @@ def test_saves_carry_the_hashes_vllm_publishes(hybrid_runs):
     assert len(ems) == len(set(ems)) == n_blocks  # one per saved block
     assert set(ems) == set(published)
     assert all(type(h) is int and 0 <= h < 1 << 64 for h in ems)
+
+
+def test_hybrid_loads_in_vllms_multiprocess_mode(hybrid_runs):
+    p = hybrid_runs["prompts"]["shared"]
+    step = _step(hybrid_runs["load_mp"], "shared")
+    assert step["cached"] == [_full_blocks(q) for q in p]
+    assert step["tokens"] == _step(hybrid_runs["reference"], "shared")["tokens"]
