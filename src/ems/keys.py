@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from ems.config import CcKvOption
 from ems.errors import invalid
@@ -85,6 +85,9 @@ class Request:
     sizes: list[int]
     mover: Any  # ems.client.movers.Mover
     option: CcKvOption
+    #: a save's engine block hashes, one unsigned 64-bit int per key (for KV events:
+    #: the protocol's ``hashes``), or None
+    hashes: Optional[list[int]] = None
 
     @property
     def what(self) -> str:
@@ -228,6 +231,18 @@ def validate_slot_request(slot_mapping: Any, hashes: Any, offsets: Any
     if sum(offs) != len(slots):
         raise invalid(f"sum(offsets)={sum(offs)} must equal len(slot_mapping)={len(slots)}")
     return slots, hs, offs
+
+
+def validate_event_hashes(values: Any, n_keys: int) -> list[int]:
+    """A save's ``event_hashes``: one unsigned 64-bit int per hash (an ems extension:
+    the engine's own block hashes, which a daemon's KV events publish)."""
+    out = _int_list(values, "event_hashes", allow_empty=True)
+    if len(out) != n_keys:
+        raise invalid(f"len(event_hashes)={len(out)} must equal len(hashes)={n_keys}")
+    for i, h in enumerate(out):
+        if not 0 <= h < 1 << 64:
+            raise invalid(f"event_hashes[{i}] must be an unsigned 64-bit int, got {h}")
+    return out
 
 
 def validate_chunk_descs(chunk_descs: Any, hashes: Any, n_groups: int

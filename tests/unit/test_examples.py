@@ -68,6 +68,11 @@ RUNS = {
         "initialized without keys: True": 1,
         "initialized with access_id=None: True": 1,
     }),
+    "kv_router": ("kv_router.py", {}, {
+        "prefix held: pick host-a (score 4.00)": 1,
+        "after host-a evicted block 0: pick host-b (score 3.00)": 1,
+        "unknown prompt: pick None (score 0.00)": 1,
+    }),
     "init_and_errors-tenant": ("init_and_errors.py",
                                {"access_id": "tenant-a", "access_key": TENANT_KEY}, {
         "initialized with access_id=tenant-a: True": 1,

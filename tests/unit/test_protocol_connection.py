@@ -28,7 +28,9 @@ from ems.protocol.connection import (
 from ems.server import handlers
 
 #: Every message's wire code and field order. Changing a row changes the protocol:
-#: bump PROTOCOL_VERSION with it (this table says which version it describes).
+#: bump PROTOCOL_VERSION with it (this table says which version it describes). An
+#: optional field added at the end (a default, left off by older senders: Reserve's
+#: and Put's ``hashes``) keeps the version: older clients still work.
 WIRE = {
     "version": 5,
     m.Hello: (1, ("access_id", "admin")),
@@ -36,7 +38,7 @@ WIRE = {
     m.Auth: (3, ("mac",)),
     m.Welcome: (4, ("tenant", "segment_id", "segment_size", "reservation_ttl_s", "server",
                     "max_keys", "align", "lease_size")),
-    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache")),
+    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache", "hashes")),
     m.Commit: (11, ("rid", "tokens", "budget_ms")),
     m.Abort: (12, ("tokens",)),
     m.Acquire: (13, ("rid", "keys", "sizes", "local_only", "budget_ms")),
@@ -46,7 +48,7 @@ WIRE = {
     m.Ping: (17, ("rid",)),
     m.Lease: (18, ("rid",)),
     m.Put: (19, ("rid", "keys", "offsets", "sizes", "want_lease", "write_rcache",
-                 "budget_ms")),
+                 "budget_ms", "hashes")),
     m.Return: (20, ("offsets", "sizes")),
     m.Granted: (30, ("rid", "statuses", "tokens", "offsets", "sizes")),
     m.Committed: (31, ("rid", "ok")),
@@ -89,6 +91,23 @@ def test_the_daemons_handlers_take_each_message_by_its_field_names():
         params = list(inspect.signature(handler).parameters)
         assert params[:3] == ["self", "session", "pool"], handler.__name__
         assert tuple(params[3:]) == cls._NAMES, (cls.__name__, params)
+
+
+def test_the_hashes_of_a_reserve_or_put_reach_the_handler():
+    """``hashes`` (KV events) is the last field of Reserve and Put; a sender without it
+    (an older client) leaves None, and one hash per key is the rule."""
+    server = ServerConnection()
+    server.phase = Phase.READY
+    with_hashes = m.Reserve.wire(rid=1, keys=["a", "b"], sizes=[8, 8], hashes=[1, 2**64 - 1])
+    (cls, values), = server.receive(encode_wire(with_hashes))
+    assert cls is m.Reserve and values == [1, ["a", "b"], [8, 8], True, [1, 2**64 - 1]]
+    old = m.Put.wire(rid=2, keys=["a"], offsets=[0], sizes=[8], want_lease=False)[:-3]
+    (cls, values), = server.receive(encode_wire(old))  # (write_rcache, budget_ms, hashes off)
+    assert cls is m.Put and values == [2, ["a"], [0], [8], False, True, 0, None]
+    with pytest.raises(EmsException):  # one hash per key
+        list(server.receive(encode_wire(
+            m.Put.wire(rid=3, keys=["a"], offsets=[0], sizes=[8], want_lease=False,
+                       hashes=[1, 2]))))
 
 
 def test_the_shared_vocabulary_matches_the_pool():

@@ -65,7 +65,7 @@ class DictTier(Tier):
         done(n)
         return True
 
-    def stored(self, tenant, keys, sizes) -> None:
+    def stored(self, tenant, keys, sizes, hashes=None) -> None:
         self.stored_keys += keys
 
     def evicted(self, tenant, key, size) -> None:
@@ -123,7 +123,7 @@ def test_a_load_walks_shared_memory_then_each_tier_in_order(world):
     cluster.values = {k: _value(k) for k in ("d",)}
     out = Replies()
     h = _handlers([disk, cluster], out)
-    h.serve(session, m.Reserve, [1, ["a"], [1000], True])
+    h.serve(session, m.Reserve, [1, ["a"], [1000], True, None])
     grant = out.wires[-1]
     view = maps.view(tenant, grant[4][0], 1000)  # its offset
     view[:] = _value("a")
@@ -188,7 +188,7 @@ def test_saves_through_leave_no_local_copy(world):
     cluster = ThroughTier("cluster", False, maps)
     out = Replies()
     h = _handlers([cluster], out)
-    h.serve(session, m.Reserve, [1, ["k"], [1000], False])
+    h.serve(session, m.Reserve, [1, ["k"], [1000], False, None])
     granted = out.wires[-1]
     view = maps.view(tenant, granted[4][0], 1000)  # its offset
     view[:] = _value("k")
@@ -206,6 +206,6 @@ def test_evictions_reach_the_tiers_that_listen(world):
     h = _handlers([disk], out)
     h.opened(tenant)
     for i in range(3):  # 3 x 400 KiB in a 1 MiB pool: the first is evicted
-        h.serve(session, m.Reserve, [i, [f"k{i}"], [400 << 10], True])
+        h.serve(session, m.Reserve, [i, [f"k{i}"], [400 << 10], True, None])
         h.serve(session, m.Commit, [i, [out.wires[-1][3][0]], 0])
     assert disk.evicted_keys == ["k0"]

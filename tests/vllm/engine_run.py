@@ -69,11 +69,110 @@ def hang_pool_before_load(pid: int):
     return undo
 
 
+def skip_group_after_load(kind: str):
+    """The negative control of a hybrid model: after every load, zero the pages just
+    loaded of the KV cache group whose spec is ``kind`` (e.g. SlidingWindowSpec): what
+    a connector that skipped that group would leave, so the test sees that a skipped
+    group changes the outputs."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from ems.integrations.kv_layout import NULL_BLOCK
+    worker = get_kv_transfer_group()
+    group = [type(spec).__name__ for spec in worker._specs].index(kind)
+    original = worker.start_load_kv
+
+    def start_load_kv(forward_context, **kwargs):
+        meta = worker._connector_metadata
+        original(forward_context, **kwargs)
+        layers = worker._session._layout[0]
+        for t in getattr(meta, "loads", ()):
+            ids = [b for b in t.block_ids[group] if b != NULL_BLOCK]
+            for li in worker._layer_groups()[group]:
+                for tensor in layers[li]:
+                    tensor[torch.tensor(ids, dtype=torch.long)] = 0
+
+    worker.start_load_kv = start_load_kv
+
+
+class VllmEvents:
+    """vLLM's own KV events of this engine (``"vllm_events": true``: its ZMQ publisher
+    on a free localhost port, a subscriber thread here): the block hashes vLLM
+    published as stored, per KV cache group. And the hashes the connector handed the
+    pool with its saves (its ``event_hashes``), to compare."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        import zmq
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.stored: dict = {}  # group_idx -> [hash, ...]
+        self.ems: list = []
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def config(self):
+        from vllm.config import KVEventsConfig
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                              endpoint=self.endpoint.replace("127.0.0.1", "*"))
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                _, _, payload = self._sub.recv_multipart()
+                for event in decoder.decode(payload).events:
+                    if isinstance(event, BlockStored):
+                        self.stored.setdefault(event.group_idx or 0, []).extend(
+                            event.block_hashes)
+
+    def spy_saves(self) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        session = get_kv_transfer_group()._session
+        original = session.save
+
+        def save(hashes, chunk_descs, event_hashes=None):
+            self.ems.extend(event_hashes or ())
+            return original(hashes, chunk_descs, event_hashes)
+        session.save = save
+
+    def close(self) -> dict:
+        time.sleep(1.0)  # the last batches
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(0)
+        self._ctx.term()
+        return {"vllm_stored": {str(k): v for k, v in self.stored.items()},
+                "ems_event_hashes": self.ems}
+
+
+def kv_cache_groups(llm) -> list:
+    """The engine's KV cache groups (their spec kinds); single-process mode only."""
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        return [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
+    except AttributeError:
+        return []
+
+
 def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kwargs = {}
+    events = VllmEvents() if spec.get("vllm_events") else None
+    if events is not None:
+        kwargs["kv_events_config"] = events.config()
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EmsConnector", kv_connector_module_path="ems.integrations.vllm",
@@ -85,8 +184,17 @@ def run_engine(spec: dict) -> dict:
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               skip_tokenizer_init=True, max_num_batched_tokens=spec.get("max_batched", 2048),
               tensor_parallel_size=spec.get("tp", 1),
+              prefix_caching_hash_algo=spec.get("hash_algo", "sha256"),
+              # "hybrid": the hybrid KV cache manager must be on (vLLM fails at start
+              # where it cannot); default: vLLM's choice
+              disable_hybrid_kv_cache_manager=False if spec.get("hybrid") else None,
               **kwargs)
-    result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2), "steps": []}
+    result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2),
+              "steps": [], "kv_cache_groups": kv_cache_groups(llm)}
+    if events is not None:
+        events.spy_saves()
+    if spec.get("skip_group_after_load") is not None:
+        skip_group_after_load(spec["skip_group_after_load"])
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),
                         detokenize=False, ignore_eos=True)
     for step in spec["steps"]:
@@ -117,6 +225,8 @@ def run_engine(spec: dict) -> dict:
             with open(step["signal_file"], "w") as f:
                 f.write("done")
     result["stats"] = connector_stats(llm)
+    if events is not None:
+        result["events"] = events.close()
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()

@@ -6,7 +6,15 @@ import dataclasses
 
 import pytest
 
-from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+from ems.integrations.kv_layout import (
+    canonical_layer,
+    chunk_descs,
+    group_kind,
+    identity_shape,
+    leading_identities,
+    mirror_shapes,
+    write_identities,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -59,12 +67,39 @@ def test_unknown_layout_is_refused_by_name():
         canonical_layer(torch.zeros(8, 3, BS, HEAD), BS, FullAttentionSpec(), on_cpu=False)
 
 
-def test_key64_is_stable_signed_64_bit_and_distinct():
-    a, b = key64(b"\x01" * 32), key64(b"\x02" * 32)
-    assert a == key64(b"\x01" * 32) and a != b
-    assert all(-(1 << 63) <= k < (1 << 63) for k in (a, b))
-    assert key64((1 << 64) - 1) == -1 and key64(5) == 5
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_identity_pages_tell_a_block_from_another_prefixs(block_size):
+    shape = identity_shape(block_size)
+    assert shape[0] == block_size and shape[0] * shape[1] >= 32
+    pages = torch.zeros((6, *shape), dtype=torch.uint8)
+    mine = [bytes([i]) * 32 for i in range(1, 4)]
+    write_identities(pages, [4, 1, 2], mine)
+    assert leading_identities(pages, [4, 1, 2], mine) == 3
+    other = [mine[0], b"\x09" * 32, mine[2]]  # block 1 under the same key: another's
+    assert leading_identities(pages, [4, 1, 2], other) == 1
+    # vLLM's null block is never read: not checked
+    assert leading_identities(pages, [4, 0, 2], [mine[0], b"\x07" * 32, mine[2]]) == 3
+    assert leading_identities(pages, [], []) == 0
 
 
-def test_block_slots_are_whole_blocks_in_order():
-    assert block_slots([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+def test_chunk_descs_are_whole_blocks_per_group():
+    assert chunk_descs([[3, 1], [0, 5]], 4) == [[(12, 4), (4, 4)], [(0, 4), (20, 4)]]
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    pass
+
+
+class MambaSpec:
+    pass
+
+
+def test_group_kinds_by_exact_type():
+    assert group_kind(FullAttentionSpec()) == "full"
+    assert group_kind(MLAAttentionSpec()) == "full"
+    assert group_kind(SlidingWindowSpec()) == "window"
+    assert group_kind(MambaSpec()) is None
+
+    class RSWASpec(FullAttentionSpec):  # a subclass with its own semantics
+        pass
+    assert group_kind(RSWASpec()) is None

@@ -65,8 +65,9 @@ def _pages(num_blocks: int, fill: bool) -> list[list]:
     return out
 
 
-def _slots(block_ids):
-    return [b * BS + i for b in block_ids for i in range(BS)]
+def _chunks(block_ids):
+    """One layer group: each block's whole page (the chunk_descs semantics)."""
+    return [[(b * BS, BS) for b in block_ids]]
 
 
 @pytest.fixture
@@ -93,13 +94,47 @@ def test_save_lookup_load_whole_pages(session):
     session.register(src, BS, real=True)
     assert session.state is PoolState.UP
     hashes = [101, 102, 103]
-    assert session.save(_slots([1, 2, 3]), hashes, [BS] * 3).result() == 3
+    assert session.save(hashes, _chunks([1, 2, 3])).result() == 3
     assert session.lookup(hashes + [104], [BS] * 4) == 3
     dst = _pages(8, fill=False)
     session.register(dst, BS, real=True)
-    assert session.load([(_slots([5, 6, 7]), hashes, [BS] * 3)]) == [3]
+    assert session.load([(hashes, _chunks([5, 6, 7]))]) == [3]
     for layer in range(2):
         assert torch.equal(dst[layer][0][5:8], src[layer][0][1:4])
+
+
+def test_a_save_may_carry_the_engines_hashes_for_kv_events(session):
+    session.register(_pages(4, fill=True), BS, real=True)
+    assert session.save([41, 42], _chunks([0, 1]), [7, (1 << 64) - 1]).result() == 2
+    assert session.lookup([41, 42], [BS] * 2) == 2
+
+
+def test_a_key_collision_is_told_by_the_identity_pages(session):
+    """The connector's identity pages ride in the block's pool object: after a load
+    they hold the saving request's digests, so a block stored by another prefix under
+    the same 64-bit key is told apart (EmsConnector counts it and recomputes)."""
+    from ems.integrations.block_keys import ROOT, block_digest, key_of
+    from ems.integrations.kv_layout import identity_shape, leading_identities, write_identities
+
+    def with_identity(pages):
+        ident = torch.zeros((8, *identity_shape(BS)), dtype=torch.uint8)
+        return pages + [[ident]], ident
+    src, src_ident = with_identity(_pages(8, fill=True))
+    session.register(src, BS, real=True)
+    digests, parent = [], ROOT
+    for i in range(3):
+        parent = block_digest(parent, list(range(i * BS, (i + 1) * BS)), None)
+        digests.append(parent)
+    write_identities(src_ident, [1, 2, 3], digests)
+    keys = [key_of(d) for d in digests]
+    assert session.save(keys, _chunks([1, 2, 3])).result() == 3
+    dst, dst_ident = with_identity(_pages(8, fill=False))
+    session.register(dst, BS, real=True)
+    assert session.load([(keys, _chunks([5, 6, 7]))]) == [3]
+    assert leading_identities(dst_ident, [5, 6, 7], digests) == 3
+    # another prefix whose second block's key collides: its digest differs
+    other = [digests[0], block_digest(digests[0], [9] * BS, None), digests[2]]
+    assert leading_identities(dst_ident, [5, 6, 7], other) == 1
 
 
 def test_a_mirror_never_replaces_the_real_layout(session):
@@ -107,12 +142,12 @@ def test_a_mirror_never_replaces_the_real_layout(session):
     session.register(real, BS, real=True)
     mirror = [[torch.empty(1, HEADS, 2 * BS, HEAD, device="meta")] for _ in range(2)]
     session.register(mirror, BS, real=False)
-    assert session.save(_slots([0]), [7], [BS]).result() == 1  # still the real tensors
+    assert session.save([7], _chunks([0])).result() == 1  # still the real tensors
 
 
 def test_hung_pool_lookup_keeps_its_deadline_then_serves_without_it(session, caplog):
     session.register(_pages(4, fill=True), BS, real=True)
-    assert session.save(_slots([0]), [11], [BS]).result() == 1
+    assert session.save([11], _chunks([0])).result() == 1
     session.server.pause()  # SIGSTOP: the socket still accepts, nobody answers
     caplog.set_level(logging.WARNING, logger="ems.integrations.session")
     t0 = time.monotonic()
@@ -122,8 +157,8 @@ def test_hung_pool_lookup_keeps_its_deadline_then_serves_without_it(session, cap
     assert session.state is PoolState.DOWN
     # DOWN: nothing is sent, every call answers at once
     assert session.lookup([11], [BS]) == 0
-    assert session.save(_slots([1]), [12], [BS]) is None
-    assert session.load([(_slots([2]), [11], [BS])]) == [0]
+    assert session.save([12], _chunks([1])) is None
+    assert session.load([([11], _chunks([2]))]) == [0]
     warnings = [r for r in caplog.records if "the pool is unavailable" in r.getMessage()]
     assert len(warnings) == 1
     session.server.resume()
@@ -134,9 +169,9 @@ def test_hung_pool_lookup_keeps_its_deadline_then_serves_without_it(session, cap
 
 def test_dead_pool_then_restarted(session):
     session.register(_pages(4, fill=True), BS, real=True)
-    assert session.save(_slots([0]), [21], [BS]).result() == 1
+    assert session.save([21], _chunks([0])).result() == 1
     session.server.kill()
-    assert session.save(_slots([1]), [22], [BS]).result() == 0  # failed, counted
+    assert session.save([22], _chunks([1])).result() == 0  # failed, counted
     assert session.state is PoolState.DOWN and session.failures >= 1
     assert not session.probe()
     session.server.stop()
@@ -144,7 +179,7 @@ def test_dead_pool_then_restarted(session):
     assert session.probe()
     # a new daemon: empty, and used again
     assert session.lookup([21], [BS]) == 0
-    assert session.save(_slots([1]), [22], [BS]).result() == 1
+    assert session.save([22], _chunks([1])).result() == 1
     assert session.lookup([22], [BS]) == 1
 
 
@@ -158,7 +193,7 @@ def test_pool_full_refuses_saves_but_stays_up(tmp_path, monkeypatch):
             pages = _pages(64, fill=True)  # 32 KiB per layer per block: 64 KiB a block
             s.register(pages, BS, real=True)
             n = 40  # 2.5 MiB > 1 MiB
-            saved = s.save(_slots(range(n)), list(range(1000, 1000 + n)), [BS] * n).result()
+            saved = s.save(list(range(1000, 1000 + n)), _chunks(range(n))).result()
             assert saved < n
             assert s.state is PoolState.UP
         finally:
@@ -181,7 +216,7 @@ def test_pool_absent_at_start_is_picked_up_when_it_comes(tmp_path, monkeypatch):
             os.makedirs(sock_dir, exist_ok=True)
             server.start()
             assert s.probe()
-            assert s.save(_slots([0]), [31], [BS]).result() == 1
+            assert s.save([31], _chunks([0])).result() == 1
             assert Ems.get_cc() is not None
         finally:
             s.close()

@@ -124,6 +124,9 @@ class ContextCaching:
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """V0 ``save(option, key_list, value_list)`` or V1 ``save(slot_mapping, hashes,
         offsets, option=None)`` / ``save(hashes=..., chunk_descs=..., option=None)``.
+        An ems extension of V1 saves, keyword only: ``event_hashes=`` (one unsigned
+        64-bit int per hash: the engine's own block hashes, which a daemon with KV
+        events publishes for the blocks it stores).
 
         Runs the same ``_outcome`` as :meth:`async_save`, in the caller's thread: the
         caller blocks anyway, and handing a 1-key request to a worker and back costs
@@ -248,6 +251,8 @@ class ContextCaching:
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
         names = ("slot_mapping", "hashes", "offsets", "option", "chunk_descs")
+        kwargs = dict(kwargs)
+        events = kwargs.pop("event_hashes", None)  # keyword only: an ems extension
         bound = self._bind(op, names, args, kwargs)
         option = validate_option(bound.get("option"), required=False)
         layout, prefix = self._v1_state()
@@ -269,7 +274,12 @@ class ContextCaching:
             mover = layout.plan_slots(slots, offs)
         else:
             raise invalid("V1 calls need slot_mapping+hashes+offsets or hashes+chunk_descs")
-        return _keys.Request(op, [prefix + str(h) for h in hs], mover.sizes, mover, option)
+        if events is not None:
+            if op != "save":
+                raise invalid(f"{op} takes no event_hashes (a save's KV-event hashes)")
+            events = _keys.validate_event_hashes(events, len(hs))
+        return _keys.Request(op, [prefix + str(h) for h in hs], mover.sizes, mover, option,
+                             events)
 
     @staticmethod
     def _bind(op: str, names: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -359,16 +359,17 @@ class RemoteTransport(Transport):
             session.post(m.Return.wire(offsets=list(offsets), sizes=sizes))
             raise
         return self._put(session, list(req.keys), offsets, sizes, want, task, spin,
-                         _write_rcache(req.option))
+                         _write_rcache(req.option), req.hashes)
 
     def _put(self, session: Session, keys: list[str], offsets: list[int], sizes: list[int],
-             want: bool, task: Task, spin: bool, write_rcache: bool = True) -> list[bool]:
+             want: bool, task: Task, spin: bool, write_rcache: bool = True,
+             hashes: Optional[list[int]] = None) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
             _, reply = self._call(
                 lambda rid: _put_wire(rid=rid, keys=keys, offsets=offsets, sizes=sizes,
                                       want_lease=want, write_rcache=write_rcache,
-                                      budget_ms=_budget_ms(task)),
+                                      budget_ms=_budget_ms(task), hashes=hashes),
                 task, session, spin)
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
@@ -406,13 +407,14 @@ class RemoteTransport(Transport):
         (``decide``): nothing is visible before the call has decided to succeed. Per
         key whether it is stored (EXISTS and BUSY count)."""
         keys, sizes = list(req.keys), list(req.sizes)
+        hashes = req.hashes
         wrc = _write_rcache(req.option)
         chunks = _chunks(len(keys), session.max_keys)
 
         def reserve(lo: int, hi: int) -> _Flight:
-            return self._send(lambda rid: m.Reserve(rid=rid, keys=keys[lo:hi],
-                                                    sizes=sizes[lo:hi], write_rcache=wrc),
-                              task, session)
+            return self._send(lambda rid: m.Reserve(
+                rid=rid, keys=keys[lo:hi], sizes=sizes[lo:hi], write_rcache=wrc,
+                hashes=None if hashes is None else hashes[lo:hi]), task, session)
         slots: list[Slot] = []
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
         flight: Optional[_Flight] = reserve(*chunks[0])

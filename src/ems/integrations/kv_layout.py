@@ -1,4 +1,4 @@
-"""vLLM's KV cache as ems registers it, and the keys of its blocks (no vLLM import).
+"""vLLM's KV cache as ems registers it (no vLLM import).
 
 * :func:`canonical_layer` -- one layer's cache tensor as the tensors ems registers:
 
@@ -16,27 +16,60 @@
 * :func:`mirror_shapes` -- the same per-block shapes from vLLM's KV cache spec alone,
   for the scheduler process, which has no tensors (it registers them on ``meta``).
   The worker checks that its real tensors give these very shapes.
-* :func:`key64` -- an engine block hash (bytes) as the SDK's signed 64-bit int.
-* :func:`block_slots` -- the slot_mapping of whole blocks.
+* :func:`group_kind` -- what ems does with a KV cache group of a kind (below).
+* :func:`chunk_descs` -- the SDK's chunk_descs of whole blocks, per KV cache group.
+* :func:`identity_shape`, :func:`write_identities`, :func:`leading_identities` -- the
+  identity pages: each block's 32-byte digest (``block_keys``) in a small tensor the
+  connector registers as one more layer, so it travels in the block's pool object and
+  a load can tell a key collision from its own block.
+
+KV cache groups (hybrid models, vLLM's hybrid KV cache manager): each group has its
+own block ids, and the pool object of a block holds, group by group, every layer's
+page of that block (the SDK's layer groups), so a block is in the pool with every
+group or not at all: a hit is the minimum over groups by construction. Per kind:
+
+=====================  =======================  ======================================
+group kind             saved                    loaded at a hit of ``h`` blocks
+=====================  =======================  ======================================
+full attention, MLA    every full prompt block  every block
+sliding window,        every full prompt block  the blocks vLLM gives ids to (the
+chunked local attn     (copied before the step  window before ``h``); its null block
+                       ends: vLLM reuses a      gets the others' pages, and vLLM never
+                       block once out of the    reads it
+                       window)
+Mamba / linear attn,   -- (the connector turns itself off: its state is per request,
+anything else          not per block of tokens)
+=====================  =======================  ======================================
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["block_slots", "canonical_layer", "key64", "mirror_shapes"]
+__all__ = ["NULL_BLOCK", "canonical_layer", "chunk_descs", "group_kind", "identity_shape",
+           "leading_identities", "mirror_shapes", "write_identities"]
+
+_IDENTITY_BYTES = 32
+
+#: vLLM's placeholder block (a windowed group's blocks out of the window); never
+#: allocated to a request, never read
+NULL_BLOCK = 0
+_FULL = {"FullAttentionSpec", "MLAAttentionSpec"}
+_WINDOW = {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}
 
 
-def key64(block_hash: Any) -> int:
-    """The engine's block hash (bytes, or an int) as a signed 64-bit int."""
-    if isinstance(block_hash, int):
-        h = block_hash & ((1 << 64) - 1)
-        return h - (1 << 64) if h >= 1 << 63 else h
-    digest = hashlib.blake2b(bytes(block_hash), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+def group_kind(spec: Any) -> Optional[str]:
+    """``"full"`` or ``"window"`` for the KV cache spec of a group ems serves, None for
+    one it does not (Mamba state, encoder-only, anything newer: by exact type, so a
+    new subclass with other semantics is never served by mistake)."""
+    name = type(spec).__name__
+    if name in _FULL:
+        return "full"
+    if name in _WINDOW:
+        return "window"
+    return None
 
 
 def mirror_shapes(spec: Any, block_size: int, on_cpu: bool
@@ -70,7 +103,40 @@ def canonical_layer(kv: torch.Tensor, block_size: int, spec: Any, on_cpu: bool
     raise ValueError(f"unsupported KV cache layout {shape} (block_size {block_size})")
 
 
-def block_slots(block_ids: list[int], block_size: int) -> torch.Tensor:
-    """Every slot of ``block_ids`` in order (``block * block_size + position``)."""
-    ids = torch.tensor(block_ids, dtype=torch.int64)
-    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+def chunk_descs(block_ids: list[list[int]], block_size: int) -> list[list[tuple[int, int]]]:
+    """Per group, each block's whole page: ``(block * block_size, block_size)``."""
+    return [[(b * block_size, block_size) for b in ids] for ids in block_ids]
+
+
+def identity_shape(block_size: int) -> tuple[int, int]:
+    """Per block, the identity page's shape (uint8): ``[block_size, w]`` holding at
+    least 32 bytes, so it is a page of ``block_size`` token rows in paged layouts too."""
+    return block_size, -(-_IDENTITY_BYTES // block_size)
+
+
+def write_identities(pages: torch.Tensor, block_ids: list[int], digests: list[bytes]) -> None:
+    """Write each block's digest into its identity page (the rest of the page 0)."""
+    n = len(block_ids)
+    if not n:
+        return
+    rows = torch.zeros((n, pages[0].numel()), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8)
+    rows[:, :_IDENTITY_BYTES] = raw.view(n, _IDENTITY_BYTES)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=pages.device)
+    pages[ids] = rows.view(n, *pages.shape[1:]).to(pages.device)
+
+
+def leading_identities(pages: torch.Tensor, block_ids: list[int], digests: list[bytes],
+                       null_block: int = 0) -> int:
+    """How many leading blocks' identity pages hold their expected digest (a block id
+    ``null_block`` is not checked: nothing of it is ever read)."""
+    n = len(block_ids)
+    if not n:
+        return 0
+    ids = torch.tensor(block_ids, dtype=torch.long, device=pages.device)
+    got = pages[ids].reshape(n, -1)[:, :_IDENTITY_BYTES].cpu()
+    want = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(n, -1)
+    for i in range(n):
+        if block_ids[i] != null_block and not torch.equal(got[i], want[i]):
+            return i
+    return n

@@ -75,7 +75,8 @@ class PoolSession:
         self.config = config
         self._lock = threading.RLock()
         self.state = PoolState.DISCONNECTED
-        self._layout: Optional[tuple[list[list[Any]], Optional[int]]] = None
+        self._layout: Optional[tuple[list[list[Any]], Optional[int],
+                                     Optional[list[list[int]]]]] = None
         self._layout_real = False
         self._lookups = ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="ems-lookup")
         self._lookups_busy = 0
@@ -142,13 +143,15 @@ class PoolSession:
 
     # ------------------------------------------------------------ layout
     def register(self, kv_caches: list[list[Any]], block_size: Optional[int],
-                 real: bool) -> None:
+                 real: bool, groups: Optional[list[list[int]]] = None) -> None:
         """Register ``kv_caches`` (per layer, a list of tensors); ``block_size``: they
-        are opaque pages of that many tokens (vLLM's CPU layout), None: paged."""
+        are opaque pages of that many tokens (vLLM's CPU layout), None: paged;
+        ``groups``: the layer indices of each KV cache group (the SDK's layer groups:
+        each group's blocks have their own ids), None: one group."""
         with self._lock:
             if not real and self._layout_real:
                 return  # the worker's real registration serves the scheduler too
-            self._layout, self._layout_real = (kv_caches, block_size), real
+            self._layout, self._layout_real = (kv_caches, block_size, groups), real
             if self.state is PoolState.UP:
                 try:
                     self._register_now()
@@ -162,8 +165,8 @@ class PoolSession:
         cc = Ems.get_cc()
         if cc is None or self._layout is None:
             return
-        caches, block_size = self._layout
-        cc.register_kvcache(caches, None, block_size=block_size)
+        caches, block_size, groups = self._layout
+        cc.register_kvcache(caches, groups, block_size=block_size)
 
     @property
     def registered(self) -> bool:
@@ -214,39 +217,44 @@ class PoolSession:
             with self._lock:
                 self._lookups_busy -= 1
 
-    def save(self, slot_mapping: Any, hashes: Sequence[int], offsets: Sequence[int]
-             ) -> Optional["Future[int]"]:
+    def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]],
+             event_hashes: Optional[Sequence[int]] = None) -> Optional["Future[int]"]:
         """Save on this session's save thread (beside the engine); the future gives the
-        leading blocks saved (0 when it failed: counted). None: the pool is not usable."""
+        leading blocks saved (0 when it failed: counted). None: the pool is not usable.
+        ``chunk_descs``: per registered layer group, one ``(start_slot, length)`` per
+        hash (the SDK's chunk_descs semantics: each group's blocks have their own ids);
+        ``event_hashes``: the engine's own block hashes, which the daemon publishes in
+        its KV events (None: none)."""
         cc = self.usable()
         if cc is None:
             return None
         option = CcKvOption(timeout=self.settings.save_timeout_ms)
-        return self._saver.submit(self._save, cc, slot_mapping, list(hashes),
-                                  list(offsets), option)
+        return self._saver.submit(self._save, cc, list(hashes), chunk_descs, option,
+                                  None if event_hashes is None else list(event_hashes))
 
-    def _save(self, cc: Any, slot_mapping: Any, hashes: list[int], offsets: list[int],
-              option: CcKvOption) -> int:
+    def _save(self, cc: Any, hashes: list[int], chunk_descs: list[list[tuple[int, int]]],
+              option: CcKvOption, event_hashes: Optional[list[int]]) -> int:
         try:
-            return int(cc.save(slot_mapping, hashes, offsets, option).success)
+            return int(cc.save(hashes=hashes, chunk_descs=chunk_descs, option=option,
+                               event_hashes=event_hashes).success)
         except EmsException as exc:
             self._failed(exc, "save")
             return 0
 
-    def load(self, requests: Sequence[tuple[Any, Sequence[int], Sequence[int]]]
+    def load(self, requests: Sequence[tuple[Sequence[int], list[list[tuple[int, int]]]]]
              ) -> list[int]:
-        """Load every ``(slot_mapping, hashes, offsets)`` at once; per request the leading
-        blocks loaded (0 when it failed). Waits for them: the SDK's deadline
+        """Load every ``(hashes, chunk_descs)`` at once; per request the leading blocks
+        loaded (0 when it failed). Waits for them: the SDK's deadline
         (``load_timeout_ms``) bounds each, and past it no byte is written."""
         cc = self.usable()
         if cc is None:
             return [0] * len(requests)
         option = CcKvOption(timeout=self.settings.load_timeout_ms)
         futures: list[Optional[CcFuture]] = []
-        for slot_mapping, hashes, offsets in requests:
+        for hashes, chunk_descs in requests:
             try:
-                futures.append(cc.async_load(slot_mapping, list(hashes), list(offsets),
-                                             option))
+                futures.append(cc.async_load(hashes=list(hashes), chunk_descs=chunk_descs,
+                                             option=option))
             except EmsException as exc:
                 self._failed(exc, "load")
                 futures.append(None)

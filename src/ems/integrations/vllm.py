@@ -28,13 +28,23 @@ A request's life, as the connector sees it::
         |                          until the worker reports the request in
         +<-- finished_sending -- get_finished, once every save of it is done
 
-Block keys: the engine's own prefix-chained block hashes (``request.block_hashes``,
-sha256 over the parent hash, the block's tokens and its extra keys: LoRA, multimodal,
-cache salt), each hashed to 64 bits with blake2b. The scheduler computes them and
-sends them in the metadata, so the worker uses the very same numbers. With vLLM's
-default ``prefix_caching_hash_algo="sha256"`` they are the same in every process and
-every restart; a non-cryptographic algorithm without ``PYTHONHASHSEED`` makes them
-per-process (vLLM warns; the pool then never hits across instances).
+Block keys (:mod:`ems.integrations.block_keys`): ems's own prefix chain of sha256
+over each block's tokens and vLLM's extra keys (LoRA, multimodal hashes, cache salt),
+never vLLM's block hashes, which depend on ``PYTHONHASHSEED`` and on
+``prefix_caching_hash_algo`` (random per process for xxhash): the same tokens give the
+same keys in every engine, process, restart and host. The scheduler computes them and
+sends them in the metadata, so the worker uses the very same numbers. A key is 64
+bits; the block's whole 32-byte digest travels with it in the pool object (an
+identity page, registered as one more layer) and is compared after every load: a
+collision is a miss, recomputed, never the wrong KV.
+
+Hybrid models (``SupportsHMA``, vLLM's hybrid KV cache manager): each KV cache group's
+layers are an SDK layer group with its own block ids, one pool object per block holds
+every group's pages of it (a hit is the minimum over groups, a restore never partial),
+loads are asynchronous (vLLM maps their failures to requests), and saves of
+sliding-window blocks are copied before the step ends: see :mod:`ems.integrations.kv_layout`
+and docs/vllm-hybrid.md. Saves carry vLLM's own block hashes (``event_hashes``), which a
+daemon with ``--kv-events`` publishes (docs/kv-events.md).
 
 Layouts (``register_kv_caches``): vLLM's CPU pages (0.32 hands them over as
 ``[num_blocks, kv_heads, block_size, 2*head_size]``, the attention views the same
@@ -66,11 +76,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
-from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
+from ems.integrations.block_keys import ROOT, block_digest, event_hash, key_of
+from ems.integrations.kv_layout import (
+    NULL_BLOCK,
+    canonical_layer,
+    chunk_descs,
+    group_kind,
+    identity_shape,
+    leading_identities,
+    mirror_shapes,
+    write_identities,
+)
 from ems.integrations.session import PoolSession
 from ems.integrations.settings import ConnectorSettings
 
@@ -91,11 +112,20 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- metadata
 @dataclasses.dataclass
 class BlockTransfer:
-    """Blocks of one request to move: engine block ids and their 64-bit keys."""
+    """Blocks of one request to move: per KV cache group, the engine's block ids of
+    these blocks (``block_ids[g][i]``: block ``i`` in group ``g``), and their keys."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     hashes: list[int]
+    #: each block's identity (its 32-byte digest), checked after a load
+    identities: list[bytes] = dataclasses.field(default_factory=list)
+    #: a save's vLLM block hashes as vLLM publishes them in its KV events (the pool's
+    #: KV events carry them; empty: not known)
+    event_hashes: list[int] = dataclasses.field(default_factory=list)
+    #: an asynchronous load (hybrid models): reported in finished_recving, and a
+    #: failure in failed_recving (the whole request is recomputed)
+    is_async: bool = False
 
 
 @dataclasses.dataclass
@@ -110,7 +140,7 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 # ---------------------------------------------------------------- statistics
 _COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
-             "save_s", "hooks_s", "failures")
+             "save_s", "hooks_s", "failures", "key_collisions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +159,7 @@ class ConnectorStatistics:
     save_s: float = 0.0  # the saves (beside the engine, on the save thread)
     hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
     failures: int = 0  # pool failures (a call that got no cache)
+    key_collisions: int = 0  # loaded blocks whose identity was another prefix's (a miss)
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -182,8 +213,11 @@ class _Plan:
     """The scheduler's view of one request."""
 
     request: Any
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    hashes: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per group
+    hashes: list[int] = dataclasses.field(default_factory=list)  # pool keys
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # their identities
+    mm_index: int = 0  # vLLM's multimodal index after the last block hashed
+    keyless: bool = False  # an extra key without a canonical form: never cached
     local_blocks: int = 0  # leading blocks vLLM had (its prefix cache)
     load_blocks: int = 0  # blocks after those to load from the pool (0: none)
     load_planned: bool = False
@@ -191,7 +225,7 @@ class _Plan:
     has_saves: bool = False
 
 
-class EmsConnector(KVConnectorBase_V1):
+class EmsConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -211,11 +245,25 @@ class EmsConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         from vllm.platforms import current_platform
         self._on_cpu = current_platform.is_cpu()
-        self._spec: Any = groups[0].kv_cache_spec if len(groups) == 1 else None
-        if self._spec is None:
-            self._disabled = f"{len(groups)} KV cache groups (hybrid models: not supported)"
-        self._num_layers = len(groups[0].layer_names) if len(groups) == 1 else 0
-        self._is_mla = self._spec is not None and type(self._spec).__name__.startswith("MLA")
+        # Per KV cache group: its spec and its layers (hybrid models have several; one
+        # pool object per block holds every group's pages of it, see kv_layout).
+        self._specs: list[Any] = [g.kv_cache_spec for g in groups]
+        self._group_layers: list[list[str]] = [list(g.layer_names) for g in groups]
+        self._kinds = [group_kind(spec) for spec in self._specs]
+        self._disabled = self._unsupported(groups)
+        self._num_layers = sum(len(names) for names in self._group_layers)
+        self._is_mla = bool(self._specs) and all(
+            type(spec).__name__.startswith("MLA") for spec in self._specs)
+        # Several groups: vLLM takes load failures per request only (block ids are
+        # per group), so loads are asynchronous and a failure recomputes the request;
+        # a windowed group's blocks may be reused once out of the window, so a save
+        # copies them before the step ends (see wait_for_save).
+        self._hybrid = len(groups) > 1
+        self._windowed = any(kind == "window" for kind in self._kinds)
+        # the group whose block ids carry the identity pages: a full-attention one
+        # (its blocks are never vLLM's null block)
+        self._ident_group = self._kinds.index("full") if "full" in self._kinds else 0
+        self._ident: Optional[torch.Tensor] = None  # the worker's identity pages
         if (role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy == "fail"
                 and self.settings.load_failure_policy == "recompute"):
             # vLLM reads the policy after building the connector: a pool miss or a
@@ -232,8 +280,11 @@ class EmsConnector(KVConnectorBase_V1):
         self._plans: dict[str, _Plan] = {}
         # req_id -> (local blocks, pool hits, when asked)
         self._lookups: dict[str, tuple[int, int, float]] = {}
+        self._async_loads: list[str] = []  # allocated, to load in the next step
         # worker
         self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()  # asynchronous loads done (finished_recving)
+        self._load_failed: set[str] = set()  # ... that failed (failed_recving)
         self._saves: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()
         self._skip_saves = False
@@ -247,6 +298,19 @@ class EmsConnector(KVConnectorBase_V1):
                     role.name.lower(), v1.model_id, self.block_size, v1.llm_engine)
 
     # ------------------------------------------------------------ setup
+    def _unsupported(self, groups: list[Any]) -> str:
+        """Why this engine's KV cache cannot be served ("" when it can)."""
+        if not groups:
+            return "no KV cache groups"
+        for g, (spec, kind) in enumerate(zip(self._specs, self._kinds)):
+            if kind is None:
+                return (f"KV cache group {g} is {type(spec).__name__} (served: full "
+                        f"attention, sliding window, chunked local attention)")
+            if spec.block_size != self.block_size:
+                return (f"KV cache group {g} has block_size {spec.block_size}, not the "
+                        f"engine's {self.block_size}")
+        return ""
+
     def _ems_config(self, vllm_config: "VllmConfig", role: KVConnectorRole) -> EmsConfig:
         par = vllm_config.parallel_config
         tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
@@ -273,35 +337,66 @@ class EmsConnector(KVConnectorBase_V1):
         return EmsConfig(access_id=self.settings.access_id,
                          access_key=self.settings.access_key, cc_config_v1=v1)
 
+    def _layer_groups(self) -> Optional[list[list[int]]]:
+        """The SDK's layer groups: registered layers are ordered group by group, the
+        identity pages last in their group."""
+        if not self._hybrid:
+            return None
+        out, i = [], 0
+        for g, names in enumerate(self._group_layers):
+            n = len(names) + (g == self._ident_group)
+            out.append(list(range(i, i + n)))
+            i += n
+        return out
+
     def _register_mirror(self) -> None:
-        shapes, page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
-        layer = [torch.empty((1, *s), dtype=self._spec.dtype, device="meta") for s in shapes]
-        self._session.register([list(layer) for _ in range(self._num_layers)], page,
-                               real=False)
+        layers: list[list[torch.Tensor]] = []
+        page = None
+        for g, (spec, names) in enumerate(zip(self._specs, self._group_layers)):
+            shapes, page, _ = mirror_shapes(spec, self.block_size, self._on_cpu)
+            for _ in names:
+                layers.append([torch.empty((1, *s), dtype=spec.dtype, device="meta")
+                               for s in shapes])
+            if g == self._ident_group:
+                layers.append([torch.empty((1, *identity_shape(self.block_size)),
+                                           dtype=torch.uint8, device="meta")])
+        self._session.register(layers, page, real=False, groups=self._layer_groups())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._disabled:
             return
-        layers, page = [], None
-        try:
-            for kv in kv_caches.values():
-                tensors, page = canonical_layer(kv, self.block_size, self._spec, self._on_cpu)
+        layers: list[list[torch.Tensor]] = []
+        page = None
+        for g, (spec, names) in enumerate(zip(self._specs, self._group_layers)):
+            want, want_page, _ = mirror_shapes(spec, self.block_size, self._on_cpu)
+            for name in names:
+                kv = kv_caches.get(name)
+                if kv is None:
+                    self._disable(f"vLLM registered no KV cache for layer {name!r} "
+                                  f"(group {g})")
+                    return
+                try:
+                    tensors, page = canonical_layer(kv, self.block_size, spec, self._on_cpu)
+                except ValueError as exc:
+                    self._disable(f"layer {name!r}: {exc}")
+                    return
+                got = [tuple(t.shape[1:]) for t in tensors]
+                if got != want or page != want_page or tensors[0].dtype != spec.dtype:
+                    self._disable(f"the worker's layout of {name!r} {got} "
+                                  f"({tensors[0].dtype}) is not the one the scheduler looks "
+                                  f"up ({want}, {spec.dtype})")
+                    return
                 layers.append(tensors)
-        except ValueError as exc:
-            self._disable(str(exc))
-            return
-        want, want_page, _ = mirror_shapes(self._spec, self.block_size, self._on_cpu)
-        got = [tuple(t.shape[1:]) for t in layers[0]]
-        if (got != want or page != want_page or len(layers) != self._num_layers
-                or layers[0][0].dtype != self._spec.dtype):
-            self._disable(f"the worker's layout {got} x {len(layers)} layers "
-                          f"({layers[0][0].dtype}) is not the one the scheduler looks up "
-                          f"({want} x {self._num_layers}, {self._spec.dtype})")
-            return
+            if g == self._ident_group:
+                num_blocks = layers[-1][0].shape[0]
+                self._ident = torch.zeros((num_blocks, *identity_shape(self.block_size)),
+                                          dtype=torch.uint8, device=layers[-1][0].device)
+                layers.append([self._ident])
         self._device_is_cuda = layers[0][0].device.type == "cuda"
-        self._session.register(layers, page, real=True)
-        logger.info("ems: registered %d layers of %s pages %s", len(layers),
-                    "opaque" if page else "paged", got)
+        self._session.register(layers, page, real=True, groups=self._layer_groups())
+        logger.info("ems: registered %d layers in %d KV cache group(s) (%s) of %s pages",
+                    len(layers), len(self._specs), ", ".join(map(str, self._kinds)),
+                    "opaque" if page else "paged")
 
     def _disable(self, why: str) -> None:
         self._disabled = why
@@ -313,16 +408,42 @@ class EmsConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler side
     def _hashes(self, plan: _Plan, n_blocks: int) -> list[int]:
+        """The pool keys of the request's first ``n_blocks`` blocks (fewer when its
+        tokens stop before, or a block has an extra key without a canonical form)."""
         have = len(plan.hashes)
-        if have < n_blocks:
-            bh = plan.request.block_hashes
-            s = self._hash_stride
-            for i in range(have, min(n_blocks, len(bh) // s)):
-                plan.hashes.append(key64(bh[(i + 1) * s - 1]))
+        if have < n_blocks and not plan.keyless:
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+            request, bs = plan.request, self.block_size
+            tokens = request.all_token_ids
+            parent = plan.digests[-1] if plan.digests else ROOT
+            for i in range(have, min(n_blocks, len(tokens) // bs)):
+                extra, plan.mm_index = generate_block_hash_extra_keys(
+                    request, i * bs, (i + 1) * bs, plan.mm_index)
+                try:
+                    parent = block_digest(parent, tokens[i * bs:(i + 1) * bs], extra)
+                except TypeError as exc:
+                    plan.keyless = True
+                    logger.warning("ems: request %s is not cached: %s", request.request_id,
+                                   exc)
+                    break
+                plan.digests.append(parent)
+                plan.hashes.append(key_of(parent))
         return plan.hashes[:n_blocks]
+
+    def _event_hashes(self, plan: _Plan, a: int, b: int) -> list[int]:
+        """vLLM's own hashes of blocks ``[a, b)`` as it publishes them in KV events (a
+        block's: the hash of its last hash block), or [] when it has not them all."""
+        bh, s = plan.request.block_hashes, self._hash_stride
+        if len(bh) < b * s:
+            return []
+        return [event_hash(bh[(i + 1) * s - 1]) for i in range(a, b)]
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
+        """Leading whole blocks after vLLM's own hit that the pool holds. A pool object
+        holds every KV cache group's pages of its block, so a hit has every group
+        (the minimum over groups is the object count); a hybrid model loads them
+        asynchronously (see ``__init__``)."""
         prompt = request.prompt_token_ids
         if self._disabled or not prompt:
             return 0, False
@@ -334,7 +455,8 @@ class EmsConnector(KVConnectorBase_V1):
         prev = self._lookups.get(request.request_id)
         if prev is not None and prev[0] == first and \
                 now - prev[2] < self.settings.lookup_reuse_ms / 1000.0:
-            return prev[1] * bs, False  # asked again while waiting for blocks
+            # asked again while waiting for blocks
+            return prev[1] * bs, self._hybrid and prev[1] > 0
         hits = 0
         if (self._can_load and last > first
                 and not getattr(request, "skip_reading_prefix_cache", False)):
@@ -347,7 +469,7 @@ class EmsConnector(KVConnectorBase_V1):
                                tokens_hit=hits * bs, lookup_s=time.perf_counter() - t0)
         # vLLM's own cache had ``first`` blocks: they need no save either
         self._lookups[request.request_id] = (first, hits, now)
-        return hits * bs, False
+        return hits * bs, self._hybrid and hits > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -359,18 +481,28 @@ class EmsConnector(KVConnectorBase_V1):
         plan.load_blocks = min(n_load, hits) if num_external_tokens else 0
         plan.load_planned = plan.load_blocks > 0
         plan.saved_upto = max(plan.saved_upto, first + plan.load_blocks)
+        if plan.load_planned and self._hybrid:
+            # An asynchronous load: the request waits (not scheduled) until the
+            # worker reports it; its blocks are these, in every group.
+            plan.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+            self._async_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"
                              ) -> KVConnectorMetadata:
         meta = EmsConnectorMetadata()
         if self._disabled:
             return meta
+        for req_id in self._async_loads:
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                self._plan_load(plan, req_id, meta)
+        self._async_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self._plans.get(new.req_id)
             if plan is None:
                 continue
-            plan.block_ids = list(new.block_ids[0])
+            plan.block_ids = [list(ids) for ids in new.block_ids]
             if plan.saved_upto < 0:
                 plan.saved_upto = new.num_computed_tokens // self.block_size
             self._plan_load(plan, new.req_id, meta)
@@ -383,9 +515,12 @@ class EmsConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                plan.block_ids = list(new_ids[0]) if new_ids else []
+                plan.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                plan.block_ids.extend(new_ids[0])
+                if not plan.block_ids:
+                    plan.block_ids = [[] for _ in new_ids]
+                for have, more in zip(plan.block_ids, new_ids):
+                    have.extend(more)
             self._plan_load(plan, req_id, meta)
             self._plan_saves(plan, req_id, cached.num_computed_tokens[i] + scheduled[req_id],
                              meta)
@@ -398,40 +533,67 @@ class EmsConnector(KVConnectorBase_V1):
             return
         plan.load_planned = False
         a, b = plan.local_blocks, plan.local_blocks + plan.load_blocks
-        meta.loads.append(BlockTransfer(req_id, plan.block_ids[a:b], self._hashes(plan, b)[a:]))
+        # A windowed group's blocks that are out of the window at the hit point are
+        # vLLM's null block: their pages land there and are never read (vLLM reads
+        # only the window), every other group gets every block.
+        keys = self._hashes(plan, b)
+        meta.loads.append(BlockTransfer(req_id, [ids[a:b] for ids in plan.block_ids],
+                                        keys[a:], identities=plan.digests[a:len(keys)],
+                                        is_async=self._hybrid))
 
     def _plan_saves(self, plan: _Plan, req_id: str, computed: int,
                     meta: EmsConnectorMetadata) -> None:
-        if not self._can_save:
+        if not self._can_save or not plan.block_ids:
             return
         n_prompt = len(plan.request.prompt_token_ids or ())
         done = min(computed, n_prompt) // self.block_size
-        done = min(done, len(plan.block_ids), len(self._hashes(plan, done)))
-        if done > plan.saved_upto:
-            a = plan.saved_upto
-            meta.saves.append(BlockTransfer(req_id, plan.block_ids[a:done],
-                                            self._hashes(plan, done)[a:]))
+        done = min(done, *(len(ids) for ids in plan.block_ids),
+                   len(self._hashes(plan, done)))
+        a = plan.saved_upto
+        # Only blocks every group holds: a windowed group's block is null once out of
+        # the window (a block computed in this step never is; one that is cannot be
+        # saved whole, and neither can any block after it: keys are a prefix chain).
+        for i in range(a, done):
+            if any(ids[i] == NULL_BLOCK for ids in plan.block_ids):
+                done = i
+                break
+        if done > a:
+            meta.saves.append(BlockTransfer(req_id, [ids[a:done] for ids in plan.block_ids],
+                                            self._hashes(plan, done)[a:],
+                                            identities=plan.digests[a:done],
+                                            event_hashes=self._event_hashes(plan, a, done)))
             plan.saved_upto = done
             plan.has_saves = True
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them again then (a
-        load fails when the pool hung or lost them; the next request should hit)."""
+        load fails when the pool hung or lost them; the next request should hit). A
+        failed asynchronous load (hybrid models) recomputes the whole request."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                plan.saved_upto = -1
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
         for plan in self._plans.values():
-            for i, block in enumerate(plan.block_ids[:plan.saved_upto]):
+            ids = plan.block_ids[0] if plan.block_ids else []
+            for i, block in enumerate(ids[:plan.saved_upto]):
                 if block in invalid:
                     plan.saved_upto = i
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._lookups.pop(request.request_id, None)
         plan = self._plans.pop(request.request_id, None)
         # Saves were planned: the worker reports this request in finished_sending once
-        # they are done, and only then may vLLM reuse its blocks.
+        # they are done, and only then may vLLM reuse its blocks (of every group).
         return bool(plan is not None and plan.has_saves), None
 
     # ------------------------------------------------------------ worker side
@@ -447,14 +609,31 @@ class EmsConnector(KVConnectorBase_V1):
             return
         bs = self.block_size
         t0 = time.perf_counter()
-        got = self._session.load([(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+        got = self._session.load([(t.hashes, chunk_descs(t.block_ids, bs))
                                   for t in meta.loads])
         loaded = failed = 0
-        for t, n in zip(meta.loads, got):
+        for i, t in enumerate(meta.loads):
+            n = got[i]
+            if self._ident is not None and n:
+                # a 64-bit key of another prefix: its blocks are a miss from there on
+                same = leading_identities(self._ident, t.block_ids[self._ident_group][:n],
+                                          t.identities[:n], NULL_BLOCK)
+                if same < n:
+                    self._counters.add(key_collisions=1)
+                    logger.warning("ems: block %d of request %s: a key collision (another "
+                                   "prefix's block): recomputed", same, t.req_id)
+                    n = same
             loaded += n
-            if n < len(t.block_ids):
-                failed += len(t.block_ids) - n
-                self._load_errors.update(t.block_ids[n:])
+            missed = len(t.hashes) - n
+            failed += missed
+            if t.is_async:
+                # vLLM counted every block of the hit: anything less recomputes the
+                # request (never a partial restore)
+                self._loaded.add(t.req_id)
+                if missed:
+                    self._load_failed.add(t.req_id)
+            elif missed:
+                self._load_errors.update(t.block_ids[0][n:])
         self._counters.add(tokens_loaded=loaded * bs, tokens_load_failed=failed * bs,
                            load_s=time.perf_counter() - t0)
 
@@ -466,23 +645,36 @@ class EmsConnector(KVConnectorBase_V1):
         return  # wait_for_save saves every layer of a block at once
 
     def wait_for_save(self) -> None:
+        """Submit the step's saves. With a windowed group (sliding window), wait until
+        they are copied: vLLM frees a block once it leaves the window, at the next
+        step's scheduling (with asynchronous scheduling, while this step still runs),
+        and may hand it to another request, whose next step writes it; this step's
+        end is the last moment its contents are sure to be the saved request's."""
         meta = self._connector_metadata
         if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
             return
         if getattr(self, "_device_is_cuda", False):
             torch.cuda.current_stream().synchronize()  # the forward's writes are done
         bs = self.block_size
+        submitted = []
         for t in meta.saves:
             futs = self._saves.setdefault(t.req_id, [])
             if self._skip_saves or self._disabled:
                 continue
-            fut = self._session.save(block_slots(t.block_ids, bs), t.hashes, [bs] * len(t.hashes))
+            if self._ident is not None:
+                write_identities(self._ident, t.block_ids[self._ident_group], t.identities)
+            fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs),
+                                     t.event_hashes or None)
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue
             start, n = time.perf_counter(), len(t.hashes)
             fut.add_done_callback(functools.partial(self._saved, start=start, n=n))
             futs.append(fut)
+            submitted.append(fut)
+        if self._windowed:
+            for fut in submitted:
+                fut.result()  # (bounded by save_timeout_ms)
 
     def _saved(self, fut: Future, start: float, n: int) -> None:
         ok = fut.result() if not fut.cancelled() else 0
@@ -497,8 +689,21 @@ class EmsConnector(KVConnectorBase_V1):
         for r in done:
             self._finishing.discard(r)
             del self._saves[r]
+        loaded, self._loaded = self._loaded, set()
         self._maybe_log("worker")
-        return (done or None), None
+        return (done or None), (loaded or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus the asynchronous loads that failed (vLLM recomputes
+        those requests from their start)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._load_failed = self._load_failed, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

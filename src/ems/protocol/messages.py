@@ -17,7 +17,7 @@ A connection goes through two phases::
                                              or Error(EMS_AUTH_FAILED) and close
     ---------------------------- ready ----------------------------------------
     Reserve(rid, keys, sizes,        ->      Granted(rid, statuses, tokens, offsets, sizes)
-            write_rcache)
+            write_rcache, hashes)
     Commit(rid, tokens, budget_ms)   ->      Committed(rid, ok)
     Abort(tokens)                    ->      (no reply)
     Acquire(rid, keys, sizes,        ->      Pinned(rid, tokens, offsets, sizes)
@@ -28,7 +28,7 @@ A connection goes through two phases::
     Lease(rid)                       ->      Leased(rid, offset, size)   (size 0: no room)
     Put(rid, keys, offsets, sizes,   ->      Stored(rid, ok, lease_offset, lease_size)
         want_lease, write_rcache,
-        budget_ms)
+        budget_ms, hashes)
     Return(offsets, sizes)           ->      (no reply)
     Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
     Ping(rid)                        ->      Pong(rid)
@@ -41,6 +41,11 @@ them. A cluster daemon may answer an Acquire, Exists, Put or Commit later than
 requests sent after it (after its cluster round trip): replies are matched by rid.
 The option fields are the last ones and have defaults; a sender may leave them off
 (``validate`` fills in the defaults: what the request meant before they existed).
+
+``hashes`` (Reserve, Put; None or one unsigned 64-bit int per key): the engine's own
+block hash of each key (vLLM's, as it publishes them in its KV events), which a daemon
+with KV events (``ems.server.kv_events``) publishes when the keys are stored; it
+changes nothing else.
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -468,7 +473,8 @@ class Reserve(Message):
     keys: list = _field(_strs)
     sizes: list = _field(_uints)
     write_rcache: bool = _field(_bool, True)
-    PARALLEL = (("keys", "sizes"),)
+    hashes: Optional[list] = _field(_opt(_uints), None)
+    PARALLEL = (("keys", "sizes", "hashes"),)
 
 
 @_message(11)
@@ -546,7 +552,8 @@ class Put(Message):
     want_lease: bool = _field(_bool)
     write_rcache: bool = _field(_bool, True)
     budget_ms: int = _field(_uint, 0)
-    PARALLEL = (("keys", "offsets", "sizes"),)
+    hashes: Optional[list] = _field(_opt(_uints), None)
+    PARALLEL = (("keys", "offsets", "sizes", "hashes"),)
 
 
 @_message(20)

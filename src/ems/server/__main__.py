@@ -11,7 +11,10 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ems.server.config import ServerConfig
 
 __all__ = ["main"]
 
@@ -64,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", dest="metrics_addr",
                    help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9464 "
                         "(default off; env EMS_METRICS_ADDR)")
+    p.add_argument("--kv-events", dest="kv_events",
+                   help="publish KV events (vLLM's format) on a ZMQ PUB socket bound at "
+                        "tcp://HOST:PORT (default off; env EMS_KV_EVENTS; needs pyzmq)")
+    p.add_argument("--kv-events-replay", dest="kv_events_replay",
+                   help="their replay endpoint, tcp://HOST:PORT (env EMS_KV_EVENTS_REPLAY)")
     p.add_argument("--cluster", dest="cluster",
                    help="join the shared tier: valkey://HOST:PORT[,HOST:PORT...] "
                         "(valkeys://: TLS; env EMS_CLUSTER; password: EMS_CLUSTER_PASSWORD)")
@@ -95,6 +103,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", dest="log_level",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
     return p
+
+
+class _KvEvents:
+    """The KV events publisher (``ems.server.kv_events``) as one of ``main``'s extras:
+    bound before the daemon starts (it sends AllBlocksCleared at once); the daemon
+    reports stores and evictions to ``publisher`` through its tier seam."""
+
+    def __init__(self, config: "ServerConfig") -> None:
+        import socket
+
+        import zmq
+
+        from ems.server.kv_events import KvEventPublisher
+        host = config.host_name or socket.gethostname()
+        assert config.kv_events is not None
+        try:
+            self.publisher = KvEventPublisher(config.kv_events, host,
+                                              replay_endpoint=config.kv_events_replay)
+        except zmq.ZMQError as exc:  # an address in use, or not this host's
+            raise OSError(f"cannot bind {config.kv_events}: {exc}") from exc
+
+    def stop(self) -> None:
+        self.publisher.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -144,12 +175,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if config.metrics_addr:
             from ems.server.metrics import MetricsExporter
             extras.append(MetricsExporter(config.metrics_addr, daemon).start())
-    except (EmsException, ImportError) as exc:
+        if config.kv_events:
+            events = _KvEvents(config)
+            extras.append(events)
+            daemon.kv_events = events.publisher  # a tier of its own (ems.server.events_tier)
+    except (EmsException, ImportError, OSError) as exc:
         for extra in extras:
             extra.stop()
         registry.close()
         why = (exc.message() if isinstance(exc, EmsException) else
-               f"--control and --metrics-addr need {exc.name} (pip install 'ems-kvpool[control]')")
+               f"--kv-events: {exc}" if isinstance(exc, OSError) else
+               f"--kv-events needs {exc.name} (pip install 'ems-kvpool[events]')"
+               if exc.name == "zmq" else
+               f"--control and --metrics-addr need {exc.name} "
+               f"(pip install 'ems-kvpool[control]')")
         print(f"ems-server: bad configuration: {why}", file=sys.stderr)
         return 2
     try:

@@ -235,7 +235,8 @@ class ClusterTier(Tier):
         return True
 
     # ------------------------------------------------------------ saves
-    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
         """Send freshly stored local values to their home nodes (pinned meanwhile)."""
         pool = tenant.pool
         total = sum(sizes)

@@ -34,12 +34,17 @@ registry poll period   ``--control-poll-s``    ``control_poll_s``      -
 last registry on disk  ``--control-cache``     ``control_cache``       -
 host name reported     ``--host-name``         ``host_name``           ``EMS_HOST_NAME``
 Prometheus exporter    ``--metrics-addr``      ``metrics_addr``        ``EMS_METRICS_ADDR``
+KV events (ZMQ PUB)    ``--kv-events``         ``kv_events``           ``EMS_KV_EVENTS``
+their replay (ROUTER)  ``--kv-events-replay``  ``kv_events_replay``    ``EMS_KV_EVENTS_REPLAY``
 limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
 
 With ``control`` set, tenants come from ``ems-control`` (``ems.server.control_sync``,
 the README's control-plane section) and the tenants file must not be given; ``metrics_addr``
-(``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``).
+(``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``);
+``kv_events`` (``tcp://HOST:PORT``, off by default) publishes what the pool stores and
+evicts in vLLM's KV-events format (``ems.server.kv_events``; needs ``pyzmq``:
+``pip install 'ems[events]'``), with ``kv_events_replay`` its replay endpoint.
 
 The cluster: ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
 TLS) joins the daemon to a Valkey Cluster that holds the pool shared by every host
@@ -95,8 +100,9 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _FILE_KEYS = {"socket_dir", "capacity", "tenants_file", "anonymous", "anonymous_quota",
               "quotas", "reservation_ttl_s", "socket_mode", "log_level", "spin_us",
               "control", "control_token_file", "control_poll_s", "control_cache", "host_name",
-              "metrics_addr", "limits", "cluster", "cluster_ca_file",
-              "cluster_cert_file", "cluster_key_file", "cluster_write_behind", "disk"}
+              "metrics_addr", "kv_events", "kv_events_replay", "limits", "cluster",
+              "cluster_ca_file", "cluster_cert_file", "cluster_key_file", "cluster_write_behind",
+              "disk"}
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -354,6 +360,10 @@ class ServerConfig:
     host_name: Optional[str] = None
     #: ``HOST:PORT`` of the Prometheus exporter; None: off
     metrics_addr: Optional[str] = None
+    #: ``tcp://HOST:PORT`` the KV events' ZMQ PUB socket binds (port 0: any); None: off
+    kv_events: Optional[str] = None
+    #: ``tcp://HOST:PORT`` of their replay ROUTER socket; None: no replay
+    kv_events_replay: Optional[str] = None
     #: the Valkey Cluster of the shared tier (None: this host only)
     cluster: Optional[str] = dataclasses.field(default=None, repr=False)
     cluster_ca_file: Optional[str] = None
@@ -405,6 +415,17 @@ class ServerConfig:
             if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
                 raise invalid(f"metrics_addr must be HOST:PORT like 127.0.0.1:9464, got "
                               f"{self.metrics_addr!r}")
+        for name in ("kv_events", "kv_events_replay"):
+            url = getattr(self, name)
+            if url is None:
+                continue
+            host, sep, port = url[len("tcp://"):].rpartition(":")
+            if (not url.startswith("tcp://") or not sep or not host or not port.isdigit()
+                    or not 0 <= int(port) <= 65535):
+                raise invalid(f"{name} must be tcp://HOST:PORT like tcp://0.0.0.0:5557, "
+                              f"got {url!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise invalid("kv_events_replay needs kv_events")
         if self.cluster is not None:
             from ems.cluster.topology import parse_url, tls_context
             # fails closed, naming cluster (or the TLS file that cannot be read)
@@ -433,6 +454,8 @@ class ServerConfig:
                          ("EMS_CONTROL", "control"),
                          ("EMS_CONTROL_TOKEN_FILE", "control_token_file"),
                          ("EMS_HOST_NAME", "host_name"), ("EMS_METRICS_ADDR", "metrics_addr"),
+                         ("EMS_KV_EVENTS", "kv_events"),
+                         ("EMS_KV_EVENTS_REPLAY", "kv_events_replay"),
                          ("EMS_CLUSTER", "cluster"), ("EMS_CLUSTER_CA_FILE", "cluster_ca_file"),
                          ("EMS_CLUSTER_CERT_FILE", "cluster_cert_file"),
                          ("EMS_CLUSTER_KEY_FILE", "cluster_key_file")):
@@ -498,7 +521,7 @@ class ServerConfig:
         if "spin_us" in v:
             kw["spin_us"] = v["spin_us"]
         for key in ("control", "control_token_file", "control_cache", "host_name",
-                    "metrics_addr"):
+                    "metrics_addr", "kv_events", "kv_events_replay"):
             if key in v:
                 kw[key] = _str(v[key], key)
         if "control_poll_s" in v:

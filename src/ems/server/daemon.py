@@ -50,7 +50,7 @@ import select
 import signal
 import socket
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import PROTOCOL_VERSION
@@ -62,6 +62,9 @@ from ems.server.listener import Listener, ListenError, RateLimitedLog
 from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantRegistry
 from ems.server.tiers import Tier
+
+if TYPE_CHECKING:
+    from ems.server.kv_events import KvEventPublisher
 
 __all__ = ["Daemon", "DaemonError"]
 
@@ -118,6 +121,9 @@ class Daemon:
         self._per_uid: collections.Counter = collections.Counter()
         #: the tiers beyond shared memory, in lookup order (started with the daemon)
         self.tiers: list[Tier] = []
+        #: the KV events publisher (``--kv-events``), bound by ``main``; a tier observes
+        #: the pools for it (``ems.server.events_tier``)
+        self.kv_events: Optional[KvEventPublisher] = None
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
         self.handlers = Handlers(self.limits, (), self, self.refused)
 
@@ -175,6 +181,9 @@ class Daemon:
             if self.config.cluster:
                 from ems.server import cluster_tier
                 tiers.append(cluster_tier.start(self.config, self))
+            if self.kv_events is not None:
+                from ems.server.events_tier import EventsTier
+                tiers.append(EventsTier(self.kv_events))
         except RuntimeError as exc:
             for tier in tiers:
                 tier.close()

@@ -262,7 +262,8 @@ class DiskTier(Tier):
         return True
 
     # ------------------------------------------------------------ saves
-    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
         """Queue the new objects of a save for the disk (admission, then the bounds)."""
         if not self._usable():
             return

@@ -172,9 +172,10 @@ class Handlers:
         offset = pool.lease(size, session.id)
         return (0, 0) if offset is None else (offset, size)
 
-    def _stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
+    def _stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+                hashes: Optional[Sequence[Optional[int]]] = None) -> None:
         for tier in self._stored_tiers:
-            tier.stored(tenant, keys, sizes)
+            tier.stored(tenant, keys, sizes, hashes)
 
     def _stored_here(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
         """Objects another host's save brought into shared memory (a cluster fill): the
@@ -187,16 +188,18 @@ class Handlers:
     # One per request type; after (session, pool), the message's fields by name, in the
     # order of their one definition in ``ems.protocol.messages``.
     def _on_reserve(self, session: Session, pool: Pool, rid: int, keys: list[str],
-                    sizes: list[int], write_rcache: bool) -> None:
+                    sizes: list[int], write_rcache: bool, hashes: Optional[list[int]]
+                    ) -> None:
         if any(size <= 0 for size in sizes):
             self._error(session, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
             return
         grants = pool.reserve(keys, sizes, session.id)
         if self._track:
             mine = session.reservations
-            for key, g in zip(keys, grants):
+            for i, (key, g) in enumerate(zip(keys, grants)):
                 if g.status is _NEW:
-                    mine[g.token] = Reservation(key, g.offset, g.size, write_rcache)
+                    mine[g.token] = Reservation(key, g.offset, g.size, write_rcache,
+                                                None if hashes is None else hashes[i])
         self._reply(session, m.Granted.wire(rid=rid, statuses=[int(g.status) for g in grants],
                                             tokens=[g.token for g in grants],
                                             offsets=[g.offset for g in grants],
@@ -219,7 +222,7 @@ class Handlers:
         new = [e for i in local if ok[i] and (e := entries[i]) is not None]
         if new:
             self._stored(session.tenant, [e.key for e in new],  # type: ignore[arg-type]
-                         [e.size for e in new])
+                         [e.size for e in new], [e.hash for e in new])
         if not through:
             self._reply(session, m.Committed.wire(rid=rid, ok=ok))
             return
@@ -244,7 +247,7 @@ class Handlers:
 
     def _on_put(self, session: Session, pool: Pool, rid: int, keys: list[str],
                 offsets: list[int], sizes: list[int], want_lease: bool, write_rcache: bool,
-                budget_ms: int) -> None:
+                budget_ms: int, hashes: Optional[list[int]]) -> None:
         tenant = session.tenant
         assert tenant is not None
         through = self._through
@@ -275,7 +278,8 @@ class Handlers:
         if self._stored_tiers:  # after the reply: the tiers' writes are not its business
             new = [i for i, st in enumerate(statuses) if st is _NEW]
             if new:
-                self._stored(tenant, [keys[i] for i in new], [sizes[i] for i in new])
+                self._stored(tenant, [keys[i] for i in new], [sizes[i] for i in new],
+                             None if hashes is None else [hashes[i] for i in new])
 
     def _on_return(self, session: Session, pool: Pool, offsets: list[int], sizes: list[int]
                    ) -> None:

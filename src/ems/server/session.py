@@ -41,6 +41,8 @@ class Reservation:
     offset: int
     size: int
     write_rcache: bool
+    #: the engine's block hash of the key (KV events), if the save carried one
+    hash: Optional[int] = None
 
 
 @dataclasses.dataclass(eq=False)

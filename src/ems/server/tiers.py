@@ -96,8 +96,11 @@ class Tier:
         loop by ``deadline``. False: not handled (``done`` is not called)."""
         return False
 
-    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
-        """New objects were committed in ``tenant``'s pool (a save's NEW keys)."""
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        """New objects were committed in ``tenant``'s pool (a save's NEW keys);
+        ``hashes``: the engine's block hash of each key, where the save carried them
+        (KV events)."""
 
     def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
                      deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:

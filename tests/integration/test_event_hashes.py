@@ -1,0 +1,127 @@
+"""A V1 save's ``event_hashes`` (the engine's block hashes, for the daemon's KV events)
+travel in the ``hashes`` field of Put and Reserve to a real daemon."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
+from ems.client import remote
+
+torch = pytest.importorskip("torch")
+
+BS = 4
+
+
+@pytest.fixture
+def v1cc(server, client_env):
+    client_env(server)
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
+    cc = Ems.get_cc()
+    cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+    yield cc
+    Ems.finalize()
+
+
+def _chunks(blocks):
+    return [[(b * BS, BS) for b in blocks]]
+
+
+def test_small_and_large_saves_carry_event_hashes(v1cc, monkeypatch):
+    sent = []
+    real = remote._put_wire
+
+    def spy(**kw):
+        sent.append(kw["hashes"])
+        return real(**kw)
+    monkeypatch.setattr(remote, "_put_wire", spy)
+    opt = CcKvOption(timeout=5000)
+    r = v1cc.save(hashes=[1, 2], chunk_descs=_chunks([0, 1]), option=opt,
+                  event_hashes=[11, (1 << 64) - 1])
+    assert r.success == 2
+    assert sent == [[11, (1 << 64) - 1]]  # a small save: one Put through the lease
+    n = 60  # 960 KiB: more than a quarter of the 1 MiB lease: Reserve/Commit
+    r = v1cc.save(hashes=list(range(100, 100 + n)), chunk_descs=_chunks(range(n)),
+                  option=opt, event_hashes=list(range(n)))
+    assert r.success == n and len(sent) == 1  # (no Put)
+    r = v1cc.save(hashes=[3], chunk_descs=_chunks([2]), option=opt)  # none: still fine
+    assert r.success == 1 and v1cc.exists([1, 2, 3, 100], opt).success == 4
+
+
+def test_event_hashes_are_checked(v1cc):
+    opt = CcKvOption(timeout=5000)
+    for bad in ([1], [-1, 2], [1 << 64, 2], "12"):
+        with pytest.raises(EmsException) as info:
+            v1cc.save(hashes=[1, 2], chunk_descs=_chunks([0, 1]), option=opt,
+                      event_hashes=bad)
+        assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    with pytest.raises(EmsException, match="event_hashes"):
+        v1cc.load(hashes=[1], chunk_descs=_chunks([0]), option=opt, event_hashes=[1])
+
+
+def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env):
+    """``ems-server --kv-events``: a V1 save with the engine's hashes -> ``BlockStored``
+    of exactly those hashes (medium CPU, ownership ems-shm, the key space in the
+    topic); the blocks evicted from shared memory -> ``BlockRemoved`` of theirs; one
+    ``AllBlocksCleared`` at start; sequence numbers increase."""
+    zmq = pytest.importorskip("zmq")
+    from support.control_support import free_port
+
+    from ems.server.kv_events import decode_batch
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        server = make_server(capacity="2M", extra_args=[
+            "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-e"])
+        client_env(server)
+        Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
+        try:
+            cc = Ems.get_cc()
+            cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+            opt = CcKvOption(timeout=5000)
+            poller = zmq.Poller()
+            poller.register(sub, zmq.POLLIN)
+            for warm in range(50):  # until the subscription is up (a SUB joins late)
+                assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
+                               event_hashes=[9000 + warm]).success == 1
+                if poller.poll(200):
+                    break
+            first = list(range(1000, 1040))  # 40 x 16 KiB
+            assert cc.save(hashes=list(range(40)), chunk_descs=_chunks(range(40)),
+                           option=opt, event_hashes=first).success == 40
+            # 200 more blocks (3.1 MiB) through a 2 MiB pool: the first ones are evicted
+            for j in range(5):
+                hs = list(range(100 + 40 * j, 140 + 40 * j))
+                assert cc.save(hashes=hs, chunk_descs=_chunks(range(40)), option=opt,
+                               event_hashes=[h + 5000 for h in hs]).success == 40
+        finally:
+            Ems.finalize()
+        stored: list[int] = []
+        removed: list[int] = []
+        seqs: list[int] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (set(first) <= set(removed)):
+            if not poller.poll(200):
+                continue
+            topic, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            for event in decode_batch(payload)[1]:
+                if event["type"] == "BlockStored":
+                    assert topic.startswith(b"kv@host-e@(anonymous)@")
+                    assert (event["medium"], event["ownership"]) == ("CPU", "ems-shm")
+                    stored += event["block_hashes"]
+                elif event["type"] == "BlockRemoved":
+                    removed += event["block_hashes"]
+        assert set(first) <= set(stored)  # every hash the engine sent
+        assert set(first) <= set(removed)  # and evicted from shared memory: removed
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        report = server.stats()["kv_events"]
+        assert report["published_events"] >= 2 and report["dropped_batches"] == 0
+    finally:
+        sub.close(0)
+        ctx.term()
