@@ -8,7 +8,9 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``ems bench --out DIR`` writes ``DIR/bench.json``), ``docs/vllm_ttft.json``
 (``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
 (``benchmarks/control_propagation.py``) and ``docs/bench-disk.json`` (``ems bench --disk
---out DIR`` writes ``DIR/bench-disk.json``). A new run replaces the JSON; this script then
+--out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
+(``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
+(``benchmarks/kv_events_rate.py``) and ``docs/netns.json`` (``benchmarks/netns_bench.py``). A new run replaces the JSON; this script then
 replaces the tables, so the page never shows a figure that no JSON holds.
 """
 
@@ -230,6 +232,47 @@ def disk_targets(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+
+
+def kv_events(d: dict[str, Any]) -> str:
+    m = d["delay_ms"]
+    return "\n".join([
+        f"| measure (BlockStored of {d['hashes_per_batch']} hashes) | value |", "|---|---:|",
+        f"| published and decoded, flat out | {d['events_per_s']:.0f} events/s "
+        f"({d['hashes_per_s']:.0f} block hashes/s), {d['dropped_batches']} dropped |",
+        f"| `stored()` call, caller's thread | {d['stored_call_us']:.0f} us |",
+        f"| `stored()` -> subscriber has the decoded batch, paced at "
+        f"{d['paced_per_s']:.0f}/s | median {m['median']:.2f} ms, p90 {m['p90']:.1f} ms, "
+        f"p99 {m['p99']:.0f} ms |"])
+
+
+def netns_cross_host(d: dict[str, Any]) -> str:
+    out = ["| value | save GB/s | load GB/s | ceiling GB/s | load / ceiling |",
+           "|---|---:|---:|---:|---:|"]
+    for r in d["cross_host"]:
+        out.append(f"| {_size(r['value_bytes'])} | {r['save_gbps']:.2f} | "
+                   f"{r['load_gbps']:.2f} | {r['ceiling_gbps']:.2f} | "
+                   f"{r['load_vs_ceiling']:.2f}x |")
+    return "\n".join(out)
+
+
+def netns_latency(d: dict[str, Any]) -> str:
+    out = [f"| 1-key load ({_size(d['latency_value_bytes'])}, a cluster hit) | p50 | p99 | "
+           "max | misses |", "|---|---:|---:|---:|---:|"]
+    for path, r in d["latency"].items():
+        out.append(f"| {path} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.1f} ms | "
+                   f"{r['max_ms']:.1f} ms | {r['misses']} |")
+    out += ["", "| a GET while a SET batch goes to the same node | p50 | max |",
+            "|---|---:|---:|"]
+    for lanes, r in d["read_during_write"].items():
+        out.append(f"| {lanes} | {r['p50_ms']:.1f} ms | {r['max_ms']:.1f} ms |")
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "bench-run": ("bench.json", bench_run),
     "bench-throughput": ("bench.json", bench_throughput),
@@ -242,6 +285,10 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "disk-throughput": ("bench-disk.json", disk_throughput),
     "disk-recovery": ("bench-disk.json", disk_recovery),
     "disk-targets": ("bench-disk.json", disk_targets),
+    "vllm-ttft-hybrid": ("vllm_ttft_hybrid.json", vllm_ttft),
+    "kv-events": ("kv_events.json", kv_events),
+    "netns-cross-host": ("netns.json", netns_cross_host),
+    "netns-latency": ("netns.json", netns_latency),
 }
 
 
