@@ -7,11 +7,12 @@ Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` 
 page; everything else on the page is written by hand. The sources: ``docs/bench.json``
 (``ems bench --out DIR`` writes ``DIR/bench.json``), ``docs/vllm_ttft.json``
 (``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
-(``benchmarks/control_propagation.py``) and ``docs/bench-disk.json`` (``ems bench --disk
+(``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
-(``benchmarks/kv_events_rate.py``) and ``docs/netns.json`` (``benchmarks/netns_bench.py``). A new run replaces the JSON; this script then
-replaces the tables, so the page never shows a figure that no JSON holds.
+(``benchmarks/kv_events_rate.py``) and ``docs/netns.json``
+(``benchmarks/netns_bench.py``). A new run replaces the JSON; this script then replaces
+the tables, so the page never shows a figure that no JSON holds.
 """
 
 from __future__ import annotations
