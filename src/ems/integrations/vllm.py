@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Optional
@@ -70,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
+from ems.integrations.counters import Counters
 from ems.integrations.kv_layout import block_slots, canonical_layer, key64, mirror_shapes
 from ems.integrations.session import PoolSession
 from ems.integrations.settings import ConnectorSettings
@@ -108,11 +108,6 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 
 
 # ---------------------------------------------------------------- statistics
-_COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
-             "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
-             "save_s", "hooks_s", "failures")
-
-
 @dataclasses.dataclass(frozen=True)
 class ConnectorStatistics:
     """Cumulative counters of one connector (role); ``statistics()`` returns one."""
@@ -129,6 +124,9 @@ class ConnectorStatistics:
     save_s: float = 0.0  # the saves (beside the engine, on the save thread)
     hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
     failures: int = 0  # pool failures (a call that got no cache)
+
+
+_COUNTERS = tuple(f.name for f in dataclasses.fields(ConnectorStatistics))
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -150,30 +148,6 @@ class EmsConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in _COUNTERS)
-
-
-class _Counters:
-    """Thread-safe counters; ``interval()`` hands vLLM what changed since last time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._total: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)  # ints and seconds
-        self._interval: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-
-    def add(self, **kv: float) -> None:
-        with self._lock:
-            for k, v in kv.items():
-                self._total[k] += v
-                self._interval[k] += v
-
-    def interval(self) -> dict[str, float]:
-        with self._lock:
-            out, self._interval = self._interval, dict.fromkeys(_COUNTERS, 0)
-        return {k: v for k, v in out.items() if v}
-
-    def snapshot(self) -> ConnectorStatistics:
-        with self._lock:
-            return ConnectorStatistics(**self._total)
 
 
 # ---------------------------------------------------------------- scheduler state
@@ -205,7 +179,7 @@ class EmsConnector(KVConnectorBase_V1):
             raise ValueError(f"EmsConnector: block_size {self.block_size} is not a "
                              f"multiple of the hash block size {hbs}")
         self._hash_stride = self.block_size // hbs
-        self._counters = _Counters()
+        self._counters = Counters(ConnectorStatistics)
         self._last_log = time.monotonic()
         self._disabled = ""
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
