@@ -31,6 +31,7 @@ class HostPool:
 
     layout = "page_first"
     page_size = PAGE
+    dtype = torch.float32
 
     def __init__(self, tokens: int = 128, layers: int = 2, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -95,6 +96,11 @@ def main() -> None:
     same = all(torch.equal(dst.page(d), src.page(p)) for d, p in [(0, 3), (1, 5), (2, 6),
                                                                   (8, 7)])
     check(same, "the loaded pages are the saved pages' K and V bytes")
+    other = HostPool(seed=2)
+    other.layout = "page_first_direct"  # the same page size, another byte order
+    s.register_mem_pool_host(other)
+    check(s.batch_exists(hashes) == 0, "another host layout does not find these pages")
+    s.register_mem_pool_host(dst)
     check(s.get("nope", torch.zeros(4)) is None and not s.exists(hashes[5]),
           "the older single-key forms answer misses")
     t = torch.rand(PAGE * 8)

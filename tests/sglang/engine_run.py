@@ -77,24 +77,25 @@ def wait_pool(cond: dict) -> dict:
                      f"expected {cond['objects']}")
 
 
-def poison(cond: dict, pool_row: dict) -> int:
+def poison(cond: dict, pool_row: dict, layout: str) -> int:
     import torch
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper
-    from ems.integrations.hicache import EngineRank, PageKeys
+    from ems.integrations.hicache import KV_POOL, EngineRank, PageKeys
 
     page_bytes = pool_row["stored_bytes"] // pool_row["objects"]
     tokens = cond["prompt"][:len(cond["prompt"]) // PAGE * PAGE]
     hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
     keys = PageKeys.of(EngineRank(), cond["model_id"])
+    page_format = f"{layout}/torch.bfloat16/{PAGE}"  # the host pool's (engine_args)
     values = torch.randn(len(hashes), page_bytes // 2).to(torch.bfloat16)
     Ems.init(EmsConfig(access_id=os.environ.get("EMS_ACCESS_ID"),
                        access_key=os.environ.get("EMS_ACCESS_KEY"),
                        cc_config=CcConfig(rank_id=0, device_id=0, model_id="poison")))
     try:
         return Ems.get_cc().save(
-            CcKvOption(timeout=5000), [keys.key(h) for h in hashes],
+            CcKvOption(timeout=5000), [keys.key(h, KV_POOL, page_format) for h in hashes],
             [[KvBufferWrapper(v.data_ptr(), page_bytes)] for v in values]).success
     finally:
         Ems.finalize()
@@ -146,7 +147,8 @@ def run_engine(spec: dict) -> dict:
             if step.get("wait_pool"):
                 out["pool"] = wait_pool(step["wait_pool"])
             if step.get("poison"):
-                out["poisoned"] = poison(step["poison"], out["pool"])
+                out["poisoned"] = poison(step["poison"], out["pool"],
+                                         spec.get("layout", "page_first_direct"))
             if step.get("wait_files"):
                 out["files"] = wait_files(step["wait_files"])
             result["steps"].append(out)

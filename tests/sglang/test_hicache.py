@@ -14,6 +14,7 @@ from ems.integrations.settings import StorageSettings
 torch = pytest.importorskip("torch")
 
 HASH = "ab" * 32  # SGLang's page hashes: sha256 hex digests
+FMT = "page_first_direct/torch.bfloat16/16"
 
 
 @dataclasses.dataclass
@@ -63,26 +64,37 @@ def test_settings_extra_config_wins_over_the_environment() -> None:
 def test_keys_carry_the_rank_suffix_sglang_requires() -> None:
     keys = [PageKeys.of(EngineRank.of(FakeStorageConfig(tp_rank=r, tp_size=2)), "m")
             for r in (0, 1)]
-    assert keys[0].key(HASH) != keys[1].key(HASH)  # MHA: each TP rank its shard
-    assert keys[0].key(HASH).startswith(HASH) and ".tp0of2.pp0of1" in keys[0].key(HASH)
+    k0, k1 = (k.key(HASH, KV_POOL, FMT) for k in keys)
+    assert k0 != k1  # MHA: each TP rank its shard
+    assert k0.startswith(HASH + "@") and k0.endswith(".tp0of2.pp0of1")
     pp = PageKeys.of(EngineRank.of(FakeStorageConfig(pp_rank=1, pp_size=2)), "m")
     cp = PageKeys.of(EngineRank.of(FakeStorageConfig(attn_cp_rank=1, attn_cp_size=2)), "m")
     other_model = PageKeys.of(EngineRank.of(FakeStorageConfig()), "m2")
     plain = PageKeys.of(EngineRank.of(FakeStorageConfig()), "m")
-    assert len({k.key(HASH) for k in (pp, cp, other_model, plain)}) == 4
-    assert ".cp1of2" in cp.key(HASH)
-    assert plain.key(HASH, "swa") != plain.key(HASH) and ".swa@" in plain.key(HASH, "swa")
-    assert all(len(k.key(HASH, "auxiliary_swa")) < 128 for k in (pp, cp, plain))
-    assert len(plain.key("f" * 200)) < 128
+    assert len({k.key(HASH, KV_POOL, FMT) for k in (pp, cp, other_model, plain)}) == 4
+    assert ".cp1of2" in cp.key(HASH, KV_POOL, FMT)
+    swa = plain.key(HASH, "swa", FMT)
+    assert swa != plain.key(HASH, KV_POOL, FMT) and swa.startswith(HASH + ".swa@")
+    assert all(len(k.key(HASH, "auxiliary_swa", FMT)) < 128 for k in (pp, cp, plain))
+    assert len(plain.key("f" * 200, KV_POOL, FMT)) < 128
+
+
+def test_a_page_of_another_layout_or_dtype_has_another_key() -> None:
+    keys = PageKeys.of(EngineRank.of(FakeStorageConfig()), "m")
+    formats = ["layer_first/torch.bfloat16/16", "page_first/torch.bfloat16/16", FMT,
+               "page_first_direct/torch.float16/16", "page_first_direct/torch.bfloat16/32"]
+    assert len({keys.key(HASH, KV_POOL, f) for f in formats}) == len(formats)
+    pool = PageFirstPool()
+    assert HostPoolView.of(KV_POOL, pool).page_format == "page_first/torch.float32/4"
 
 
 def test_mla_keys_are_shared_by_tp_ranks_but_mamba_state_is_not() -> None:
     ranks = [EngineRank.of(FakeStorageConfig(tp_rank=r, tp_size=2, is_mla_model=True))
              for r in (0, 1)]
     keys = [PageKeys.of(r, "m") for r in ranks]
-    assert keys[0].key(HASH) == keys[1].key(HASH)
-    assert ".tp" not in keys[0].key(HASH)
-    assert keys[0].key(HASH, "mamba") != keys[1].key(HASH, "mamba")
+    assert keys[0].key(HASH, KV_POOL, FMT) == keys[1].key(HASH, KV_POOL, FMT)
+    assert ".tp" not in keys[0].key(HASH, KV_POOL, FMT)
+    assert keys[0].key(HASH, "mamba", FMT) != keys[1].key(HASH, "mamba", FMT)
     assert [r.is_writer for r in ranks] == [True, False]
     assert not keys[0].tp_sharded(KV_POOL) and keys[0].tp_sharded("mamba")
     mha = EngineRank.of(FakeStorageConfig(tp_rank=1, tp_size=2))
@@ -107,6 +119,7 @@ class PageFirstPool:
     ``[tokens, layers, heads, dim]``; ``get_page_buffer_meta`` as SGLang computes it."""
 
     layout = "page_first"
+    dtype = torch.float32
 
     def __init__(self, tokens: int = 64, page_size: int = 4, layers: int = 2) -> None:
         self.page_size = page_size

@@ -13,7 +13,8 @@ process, so a fresh ``EmsStorage``; pages of 16 tokens, a 512-token shared prefi
    L3 data existed); their pages are backed up to ems, one pool object per page (the
    script waits for them: backups are asynchronous). Then random bytes are stored under
    the keys of a fourth prompt's pages (``poison``);
-2. ``other-tenant`` (tenant B, credentials in the extra config): the shared prefix and
+2. ``other-tenant`` (tenant B, credentials in the extra config, host layout
+   ``layer_first`` where the others use ``page_first_direct``): the shared prefix and
    the poisoned prefix are NOT found (tenant A's pages are not its pages); its outputs
    are the references of those two prompts;
 3. ``load`` (tenant A, fresh): the shared prefix comes from storage
@@ -137,7 +138,8 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "steps": [{"name": "store", "prompts": [p[k] for k in STORED],
                         "wait_pool": pool_wait(stored_pages),
                         "poison": {"prompt": p["poison"], "model_id": MODEL_ID}}]},
-            {"name": "other-tenant", "model": model, "storage": "ems",
+            # (and SGLang's other host layout: its pages are K and V of each layer)
+            {"name": "other-tenant", "model": model, "storage": "ems", "layout": "layer_first",
              "extra": dict(extra, access_id="tenant-b", access_key=TENANTS["tenant-b"]),
              "steps": [{"name": "refs", "prompts": [p["hit"], p["poison"]],
                         "wait_pool": pool_wait(PREFIX_PAGES, "tenant-b")}]},

@@ -13,6 +13,7 @@ SGLang import, so they are unit-tested in the project's own environment).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -62,13 +63,20 @@ class HostPoolView:
     name: str
     page_size: int
     layout: str
+    dtype: str
     buffer_meta: Callable[[torch.Tensor], Any]
 
     @classmethod
     def of(cls, name: str, pool: Any) -> "HostPoolView":
-        return cls(name=name, page_size=int(pool.page_size),
-                   layout=str(pool.layout),
-                   buffer_meta=pool.get_page_buffer_meta)
+        return cls(name=name, page_size=int(pool.page_size), layout=str(pool.layout),
+                   dtype=str(pool.dtype), buffer_meta=pool.get_page_buffer_meta)
+
+    @property
+    def page_format(self) -> str:
+        """What the bytes of a stored page mean: the layout orders them (``layer_first``
+        K0 V0 K1 V1 ..., ``page_first`` token-major, ``page_first_direct`` layer-major:
+        the same size each), the dtype reads them."""
+        return f"{self.layout}/{self.dtype}/{self.page_size}"
 
     def page_values(self, host_indices: torch.Tensor, n_pages: int
                     ) -> list[list[KvBufferWrapper]]:
@@ -121,30 +129,38 @@ class EngineRank:
 
 @dataclasses.dataclass(frozen=True)
 class PageKeys:
-    """The pool's V0 key of a page of a pool (see the module docstring)."""
+    """The pool's V0 key of a page of a pool: ``<hash>[.<pool>]@<format>.tp<r>of<n>
+    .pp<r>of<n>[.cp<r>of<n>][.dcp<r>of<n>]``, ``<format>`` a 12-hex digest of the model
+    and the pool's page format (:attr:`HostPoolView.page_format`), so that a page stored
+    by another model, layout or dtype is never read as this one's."""
 
+    model: str
     suffix: str  # for data that is the same on every TP rank of an MLA model
     tp_suffix: str  # for TP-sharded data
 
     @classmethod
     def of(cls, rank: EngineRank, model: str) -> "PageKeys":
-        digest = hashlib.blake2b(model.encode(), digest_size=6).hexdigest()
         shard = f".pp{rank.pp_rank}of{rank.pp_size}"
         if rank.attn_cp_size > 1:  # each CP rank holds a disjoint slice of every page
             shard += f".cp{rank.attn_cp_rank}of{rank.attn_cp_size}"
         if rank.dcp_size > 1:
             shard += f".dcp{rank.dcp_rank}of{rank.dcp_size}"
-        tp = f".tp{rank.tp_rank}of{rank.tp_size}"
-        tp_suffix = f"@{digest}{tp}{shard}"
-        return cls(suffix=f"@{digest}{shard}" if rank.is_mla_model else tp_suffix,
+        tp_suffix = f".tp{rank.tp_rank}of{rank.tp_size}{shard}"
+        return cls(model=model, suffix=shard if rank.is_mla_model else tp_suffix,
                    tp_suffix=tp_suffix)
 
     def tp_sharded(self, pool: str) -> bool:
         return self.suffix == self.tp_suffix or pool == "mamba"
 
-    def key(self, page_hash: str, pool: str = KV_POOL) -> str:
+    def key(self, page_hash: str, pool: str, page_format: str) -> str:
         base = page_hash if pool == KV_POOL else f"{page_hash}.{pool}"
-        key = base + (self.tp_suffix if self.tp_sharded(pool) else self.suffix)
+        key = (f"{base}@{_digest(self.model, page_format)}"
+               + (self.tp_suffix if self.tp_sharded(pool) else self.suffix))
         if len(key) >= MAX_KEY_LEN:  # a hash longer than SGLang's 64 hex digits
             key = hashlib.blake2b(key.encode(), digest_size=32).hexdigest()
         return key
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(model: str, page_format: str) -> str:
+    return hashlib.blake2b(f"{model}|{page_format}".encode(), digest_size=6).hexdigest()

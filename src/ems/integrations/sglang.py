@@ -20,15 +20,18 @@ address and size of each piece of each page (a page's K and V: per layer for
 those regions are handed to the SDK as ``KvBufferWrapper`` values of one V0 key per
 page, so the pool copies straight between the host pool and its shared memory (no
 copy of ours) and holds ONE object per page. Loads fill the same regions; a page
-whose stored size differs (another layout) is a miss.
+whose stored size differs is a miss.
 
-Keys (:class:`PageKeys`): SGLang's page hash (a hex digest chained over the prefix)
-plus the rank suffix SGLang requires of an L3, so that ranks never share what they
-must not: ``<hash>[.<pool>]@<model>.tp<r>of<n>.pp<r>of<n>[.cp<r>of<n>][.dcp<r>of<n>]``,
-``<model>`` a 12-hex digest of the model name. MLA KV is the same on every TP rank: its
-keys carry no TP part and only the storage writer (TP rank 0) saves; the others answer
-True without writing. Mamba state is TP-sharded even in an MLA model. SGLang passes no
-per-request salt to L3: the tenant is fixed per engine by its credentials.
+Keys (:class:`~ems.integrations.hicache.PageKeys`): SGLang's page hash (a hex digest
+chained over the prefix) plus the rank suffix SGLang requires of an L3, so that ranks
+never share what they must not:
+``<hash>[.<pool>]@<format>.tp<r>of<n>.pp<r>of<n>[.cp<r>of<n>][.dcp<r>of<n>]``,
+``<format>`` a 12-hex digest of the model name and the host pool's page format (layout,
+dtype, page size: layouts of the same size order a page's bytes differently). MLA KV
+is the same on every TP rank: its keys carry no TP part and only the storage writer
+(TP rank 0) saves; the others answer True without writing. Mamba state is TP-sharded
+even in an MLA model. SGLang passes no per-request salt to L3: the tenant is fixed per
+engine by its credentials.
 
 Hybrid models (``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2`` with
 ``PoolTransfer``, where the installed SGLang defines them): every pool registered
@@ -162,7 +165,7 @@ class EmsStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Leading pages of ``keys`` in the pool, within ``lookup_timeout_ms``."""
-        return self._lookup([self.keys.key(k) for k in keys])
+        return self._lookup(self._storage_keys(keys, KV_POOL))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
@@ -171,6 +174,14 @@ class EmsStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
         return self._move("save", KV_POOL, keys, host_indices)
+
+    def _storage_keys(self, keys: Sequence[str], pool: str) -> list[str]:
+        """The pool's keys of these pages of ``pool`` (the flat forms' keys follow the
+        KV pool's format); none before the pool is registered."""
+        view = self._pools.get(KV_POOL if pool == FLAT_POOL else pool)
+        if view is None:
+            return []
+        return [self.keys.key(k, pool, view.page_format) for k in keys]
 
     def _lookup(self, storage_keys: Sequence[str]) -> int:
         if not storage_keys:
@@ -200,7 +211,7 @@ class EmsStorage(HiCacheStorage):
         except (ValueError, NotImplementedError, AssertionError) as exc:
             logger.error("ems: %s: %s", op, exc)
             return [False] * n
-        storage_keys = [self.keys.key(k, pool) for k in keys]
+        storage_keys = self._storage_keys(keys, pool)
         ok = self._request(op, storage_keys, values)
         page_bytes = sum(v.length for v in values[0])
         if op == "load":
@@ -214,6 +225,8 @@ class EmsStorage(HiCacheStorage):
     def _request(self, op: str, storage_keys: list[str],
                  values: list[list[KvBufferWrapper]]) -> int:
         """One SDK load or save of these keys within its deadline: the leading count."""
+        if not storage_keys:
+            return 0
         timeout = self.settings.load_timeout_ms if op == "load" else \
             self.settings.save_timeout_ms
         option = CcKvOption(timeout=timeout)
@@ -244,8 +257,10 @@ class EmsStorage(HiCacheStorage):
                 break
             name = str(transfer.name)
             policy = transfer.hit_policy
-            pool_keys = [self.keys.key(k, name) for k in keys[:kv_pages]]
-            if policy == PoolHitPolicy.ALL_PAGES:
+            pool_keys = self._storage_keys(keys[:kv_pages], name)
+            if len(pool_keys) < kv_pages:  # a pool SGLang never registered: no hit
+                ok, boundary = set(), 0
+            elif policy == PoolHitPolicy.ALL_PAGES:
                 boundary = self._lookup(pool_keys)
                 ok = set(range(1, boundary + 1))
             elif policy == PoolHitPolicy.TRAILING_PAGES:
@@ -300,7 +315,7 @@ class EmsStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> list[Optional[torch.Tensor]]:
         if not keys or target_locations is None:
             return [None] * len(keys)
-        ok = self._request("load", [self.keys.key(k, FLAT_POOL) for k in keys],
+        ok = self._request("load", self._storage_keys(keys, FLAT_POOL),
                            [[_region(t)] for t in target_locations])
         return [t if i < ok else None for i, t in enumerate(target_locations)]
 
@@ -312,7 +327,7 @@ class EmsStorage(HiCacheStorage):
         if not self.rank.is_writer:
             return True
         pages = [v.contiguous() for v in values]  # kept alive across the save
-        ok = self._request("save", [self.keys.key(k, FLAT_POOL) for k in keys],
+        ok = self._request("save", self._storage_keys(keys, FLAT_POOL),
                            [[_region(t)] for t in pages])
         return ok == len(keys)
 
