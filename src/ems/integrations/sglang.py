@@ -242,15 +242,17 @@ class EmsStorage(HiCacheStorage):
         return ok
 
     # ------------------------------------------------------------ hybrid pools (v2)
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Optional[list[Any]] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+    def batch_exists_v2(self, keys: list[str],
+                        pool_transfers: Optional[list["PoolTransfer"]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None
+                        ) -> "PoolTransferResult":
         """Leading pages usable in every pool: the KV prefix, cut where a sidecar pool
         cannot restore it (``all_pages``: a page of the pool is missing;
         ``trailing_pages``: the pool's last pages before that length are)."""
         if PoolTransfer is None:
             raise NotImplementedError(_HYBRID_MISSING)
         kv_pages = self.batch_exists(keys, extra_info)
-        hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        hit_count: dict[str, int] = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
             if not restorable:
@@ -293,17 +295,17 @@ class EmsStorage(HiCacheStorage):
                 out.append(False)
         return out
 
-    def batch_get_v2(self, transfers: list[Any],
+    def batch_get_v2(self, transfers: list["PoolTransfer"],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None
-                     ) -> dict[Any, list[bool]]:
+                     ) -> dict[str, list[bool]]:
         if PoolTransfer is None:
             raise NotImplementedError(_HYBRID_MISSING)
         return {t.name: self._move("load", str(t.name), t.keys or [], t.host_indices)
                 for t in transfers}
 
-    def batch_set_v2(self, transfers: list[Any],
+    def batch_set_v2(self, transfers: list["PoolTransfer"],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None
-                     ) -> dict[Any, list[bool]]:
+                     ) -> dict[str, list[bool]]:
         if PoolTransfer is None:
             raise NotImplementedError(_HYBRID_MISSING)
         return {t.name: self._move("save", str(t.name), t.keys or [], t.host_indices)
@@ -348,7 +350,7 @@ class EmsStorage(HiCacheStorage):
         return dataclasses.replace(self._counters.snapshot(),
                                    failures=self._session.failures)
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> Optional["StorageMetrics"]:
         """SGLang's ``StorageMetrics`` of the interval since the last call (pages per
         load/save call and their GB/s, approximated by the interval's averages) with
         this backend's totals attached (``.totals``); None on an SGLang without it."""
