@@ -1,7 +1,7 @@
 """``EmsStorage`` against SGLang's own classes, without an engine (run in the SGLang
 venv by test_backend.py; exits non-zero with the failed check's message).
 
-    python backend_check.py SOCKET_DIR_OF_A_RUNNING_DAEMON DEAD_SOCKET_DIR
+    python backend_check.py SOCKET_DIR_OF_A_RUNNING_DAEMON DEAD_SOCKET_DIR DAEMON_PID
 
 SGLang's ``HiCacheStorageConfig``, ``PoolTransfer``, ``PoolHitPolicy`` and
 ``StorageMetrics`` are the real ones; the host pool is a small stand-in with SGLang's
@@ -12,6 +12,7 @@ needs a device pool and a running scheduler: the end-to-end test does that).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -78,7 +79,7 @@ def main() -> None:
     from ems.integrations.session import PoolSession
     from ems.integrations.sglang import EmsStorage
 
-    live, dead = sys.argv[1], sys.argv[2]
+    live, dead, daemon_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     hashes = [f"{i:064x}" for i in range(1, 9)]
 
     # ---- the v1 path: pages out of one host pool, into a fresh one
@@ -148,6 +149,29 @@ def main() -> None:
           and mla[1].batch_exists(hashes[6:8]) == 2, "MLA: rank 1 finds rank 0's pages")
     for m_ in mla:
         m_.close()
+
+    # ---- the pool hangs (SIGSTOP): every call within its deadline, then picked up again
+    slow = EmsStorage(config({"socket_dir": live, "pool": "server", "timeout_ms": 500,
+                              "lookup_timeout_ms": 200, "health_interval_s": 0.2}), {})
+    slow.register_mem_pool_host(src)
+    check(slow.batch_exists(hashes) == 4, "before the hang: the pages are there")
+    os.kill(daemon_pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        # the load first: it meets the hung daemon (the others then answer at once:
+        # the session is DOWN until the daemon answers a probe)
+        hung = (slow.batch_get_v1(hashes[:2], pages(0, 1)),
+                slow.batch_set_v1(hashes[6:8], pages(0, 1)), slow.batch_exists(hashes))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(daemon_pid, signal.SIGCONT)
+    check(hung == ([False, False], [False, False], 0) and took < 3.0,
+          f"a hung pool: misses within the deadlines ({hung}, {took:.2f} s)")
+    deadline = time.monotonic() + 10
+    while slow.batch_exists(hashes) != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    check(slow.batch_exists(hashes) == 4, "the pool answers again: picked up")
+    slow.close()
 
     # ---- refused config, and the pool down at start
     try:

@@ -189,12 +189,14 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_backend_against_sglangs_classes(venv_python: str, tmp_path) -> None:
     """backend_check.py: the v1 and v2 paths, MLA, the older forms, get_stats, a
-    refused key and the pool down at start, on SGLang's real classes (no engine)."""
+    hung pool, a refused key and the pool down at start, on SGLang's real classes (no
+    engine)."""
     os.makedirs(tmp_path / "pool")
     with run_server(str(tmp_path / "pool"), capacity="64M") as server:
         env = sglang_env(str(tmp_path))
         r = subprocess.run([venv_python, os.path.join(HERE, "backend_check.py"),
-                            server.socket_dir, str(tmp_path / "no-daemon")],
+                            server.socket_dir, str(tmp_path / "no-daemon"),
+                            str(server.pid)],
                            env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout + r.stderr[-3000:]
 
