@@ -13,10 +13,11 @@ Each round's prompt is a new prefix of ``--prompt-tokens`` tokens plus a short t
 * ``off``       -- HiCache without L3, every prompt cold (the baseline);
 * ``ems-miss``  -- ems as L3, the same prompts cold: the lookups miss and the pages are
   backed up (the cost of a miss: ``ems-miss`` vs ``off``);
-* ``ems-hit``   -- a fresh engine (nothing in its GPU/host cache) on the same prefixes
-  with another tail: the prefix comes from ems;
-* ``file-miss`` / ``file-hit`` -- the same with SGLang's ``file`` backend (a directory
-  in the machine's temp dir: the page cache serves it).
+* ``file-miss`` -- the same with SGLang's ``file`` backend (a directory in the
+  machine's temp dir: the page cache serves it);
+* ``ems-hit`` / ``file-hit`` -- fresh engines (nothing in their GPU/host cache) on the
+  same prefixes with another tail: the prefix comes from L3; ``--hit-engines`` of each,
+  ems and file alternating, their samples pooled.
 
 Then, in the same venv against the same daemon, the backend alone (no engine):
 ``batch_exists`` of 128 pages that are not stored (the cost of a miss on SGLang's
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--tail-tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--hit-engines", type=int, default=2,
+                    help="fresh hit engines per backend, ems and file alternating")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results", "sglang_ttft.json"))
     ap.add_argument("--probe", metavar="SOCKET_DIR", help=argparse.SUPPRESS)  # venv side
     ap.add_argument("--probe-reps", type=int, default=20)
@@ -172,12 +175,14 @@ def main() -> None:
                 dict(common, name="ems-miss", storage="ems",
                      steps=[step("cold", cold, wait_pool={
                          "socket": server.socket_path, "objects": pages})]),
-                dict(common, name="ems-hit", storage="ems", steps=[step("warm", warm)]),
                 dict(common, name="file-miss", storage="file",
                      steps=[step("cold", cold, wait_files={
                          "dir": os.path.join(tmp, "file-l3"), "count": pages})]),
-                dict(common, name="file-hit", storage="file", steps=[step("warm", warm)]),
             ]
+            for i in range(args.hit_engines):  # alternating: a drift hits both alike
+                for backend in ("ems", "file"):
+                    specs.append(dict(common, name=f"{backend}-hit#{i}", storage=backend,
+                                      steps=[step("warm", warm)]))
             spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
             with open(spec_path, "w") as f:
                 json.dump({"engines": specs}, f)
@@ -200,6 +205,12 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    for backend in ("ems", "file"):  # the hit engines' samples together
+        runs = [engines.pop(f"{backend}-hit#{i}") for i in range(args.hit_engines)]
+        engines[f"{backend}-hit"] = {
+            "start_s": [r["start_s"] for r in runs],
+            "steps": [{k: [x for r in runs for x in r["steps"][0][k]]
+                       for k in ("s", "details", "tokens")}]}
     rows = {}
     for name, e in engines.items():
         st = e["steps"][0]
@@ -213,6 +224,7 @@ def main() -> None:
                   "dtype": "bfloat16", "page_size": PAGE},
         "prompt_tokens": args.prompt_tokens + args.tail_tokens,
         "prefix_tokens": args.prompt_tokens, "rounds": args.rounds,
+        "hit_engines": args.hit_engines,
         "engines": rows,
         "miss_overhead_median_s": {k: rows[f"{k}-miss"]["ttft_median_s"] - off
                                    for k in ("ems", "file")},
