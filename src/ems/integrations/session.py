@@ -43,13 +43,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from ems.client.context_caching import ContextCaching
 from ems.client.singleton import Ems
 from ems.config import CcKvOption, EmsConfig
 from ems.errors import EmsErrorCode, EmsException
-from ems.futures import CcFuture
-from ems.integrations.settings import ConnectorSettings
+from ems.futures import CcFuture, CcResult
+from ems.integrations.settings import PoolSettings
 
 __all__ = ["PoolSession", "PoolState"]
 
@@ -70,7 +71,7 @@ class PoolSession:
     _instance: Optional["PoolSession"] = None
     _instance_lock = threading.Lock()
 
-    def __init__(self, settings: ConnectorSettings, config: EmsConfig) -> None:
+    def __init__(self, settings: PoolSettings, config: EmsConfig) -> None:
         self.settings = settings
         self.config = config
         self._lock = threading.RLock()
@@ -92,7 +93,7 @@ class PoolSession:
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
-    def get(cls, settings: ConnectorSettings, config: EmsConfig) -> "PoolSession":
+    def get(cls, settings: PoolSettings, config: EmsConfig) -> "PoolSession":
         with cls._instance_lock:
             inst = cls._instance
             if inst is not None and inst.config != config:
@@ -174,13 +175,17 @@ class PoolSession:
 
     # ------------------------------------------------------------ requests
     def usable(self) -> Any:
-        """The ContextCaching when the pool is UP and a layout registered, else None."""
-        if self.state is not PoolState.UP or self._layout is None:
+        """The ContextCaching when the pool is UP (and, for a V1 config, a layout is
+        registered), else None."""
+        if self.state is not PoolState.UP or (
+                self._layout is None and self.config.cc_config_v1 is not None):
             return None
         return Ems.get_cc()
 
-    def lookup(self, hashes: Sequence[int], offsets: Sequence[int]) -> int:
-        """Leading blocks of ``hashes`` in the pool; 0 past the deadline. Never raises."""
+    def lookup(self, hashes: Sequence[int | str], offsets: Optional[Sequence[int]] = None
+               ) -> int:
+        """Leading blocks of ``hashes`` (V1 hashes with their ``offsets``, or V0 keys
+        without) in the pool; 0 past the deadline. Never raises."""
         cc = self.usable()
         if cc is None or not hashes:
             return 0
@@ -191,7 +196,8 @@ class PoolSession:
             self._lookups_busy += 1
         option = CcKvOption(timeout=timeout_ms)
         t0 = time.monotonic()
-        fut = self._lookups.submit(self._exists, cc, list(hashes), list(offsets), option)
+        fut = self._lookups.submit(self._exists, cc, list(hashes),
+                                   None if offsets is None else list(offsets), option)
         try:
             hits = int(fut.result(timeout=timeout_ms / 1000.0).success)
         except FutureTimeout:
@@ -209,13 +215,30 @@ class PoolSession:
                          "lookup")
         return hits
 
-    def _exists(self, cc: Any, hashes: list[int], offsets: list[int],
+    def _exists(self, cc: Any, hashes: list[int | str], offsets: Optional[list[int]],
                 option: CcKvOption) -> Any:
         try:
+            if offsets is None:
+                return cc.exists(hashes, option)
             return cc.exists(hashes, option, offsets=offsets)
         finally:
             with self._lock:
                 self._lookups_busy -= 1
+
+    def request(self, what: str, call: Callable[[ContextCaching], CcResult]) -> int:
+        """``call(cc)`` in the caller's thread (its option carries the deadline): the
+        leading keys it did, 0 when the pool is not usable or it failed (counted; a
+        pool failure takes the session DOWN). For a caller that already runs on its own
+        I/O thread and needs the answer before it returns (SGLang's backup and prefetch
+        threads)."""
+        cc = self.usable()
+        if cc is None:
+            return 0
+        try:
+            return int(call(cc).success)
+        except EmsException as exc:
+            self._failed(exc, what)
+            return 0
 
     def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]],
              event_hashes: Optional[Sequence[int]] = None) -> Optional["Future[int]"]:

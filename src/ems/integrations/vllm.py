@@ -66,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Optional
@@ -82,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
 from ems.integrations.block_keys import ROOT, block_digest, event_hash, key_of
+from ems.integrations.counters import Counters
 from ems.integrations.kv_layout import (
     NULL_BLOCK,
     canonical_layer,
@@ -138,11 +138,6 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 
 
 # ---------------------------------------------------------------- statistics
-_COUNTERS = ("lookups", "tokens_looked_up", "tokens_hit", "tokens_loaded",
-             "tokens_load_failed", "tokens_saved", "tokens_save_failed", "lookup_s", "load_s",
-             "save_s", "hooks_s", "failures", "key_collisions")
-
-
 @dataclasses.dataclass(frozen=True)
 class ConnectorStatistics:
     """Cumulative counters of one connector (role); ``statistics()`` returns one."""
@@ -160,6 +155,9 @@ class ConnectorStatistics:
     hooks_s: float = 0.0  # the engine's threads inside this connector's hooks
     failures: int = 0  # pool failures (a call that got no cache)
     key_collisions: int = 0  # loaded blocks whose identity was another prefix's (a miss)
+
+
+_COUNTERS = tuple(f.name for f in dataclasses.fields(ConnectorStatistics))
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -181,30 +179,6 @@ class EmsConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in _COUNTERS)
-
-
-class _Counters:
-    """Thread-safe counters; ``interval()`` hands vLLM what changed since last time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._total: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)  # ints and seconds
-        self._interval: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-
-    def add(self, **kv: float) -> None:
-        with self._lock:
-            for k, v in kv.items():
-                self._total[k] += v
-                self._interval[k] += v
-
-    def interval(self) -> dict[str, float]:
-        with self._lock:
-            out, self._interval = self._interval, dict.fromkeys(_COUNTERS, 0)
-        return {k: v for k, v in out.items() if v}
-
-    def snapshot(self) -> ConnectorStatistics:
-        with self._lock:
-            return ConnectorStatistics(**self._total)
 
 
 # ---------------------------------------------------------------- scheduler state
@@ -239,7 +213,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"EmsConnector: block_size {self.block_size} is not a "
                              f"multiple of the hash block size {hbs}")
         self._hash_stride = self.block_size // hbs
-        self._counters = _Counters()
+        self._counters = Counters(ConnectorStatistics)
         self._last_log = time.monotonic()
         self._disabled = ""
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
