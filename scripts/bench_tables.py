@@ -10,9 +10,10 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
-(``benchmarks/kv_events_rate.py``) and ``docs/netns.json``
-(``benchmarks/netns_bench.py``). A new run replaces the JSON; this script then replaces
-the tables, so the page never shows a figure that no JSON holds.
+(``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``)
+and ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``). A new run replaces the
+JSON; this script then replaces the tables, so the page never shows a figure that no
+JSON holds.
 """
 
 from __future__ import annotations
@@ -270,6 +271,28 @@ def netns_latency(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def sglang_ttft(d: dict[str, Any]) -> str:
+    import statistics
+    names = {"off": "HiCache, no L3", "ems-miss": "ems, miss (stores)",
+             "file-miss": "`file`, miss (stores)", "ems-hit": "ems, hit (fresh engines)",
+             "file-hit": "`file`, hit (fresh engines)"}
+    out = ["| engine | TTFT median | min | storage hit tokens (median) |",
+           "|---|---:|---:|---:|"]
+    for key, label in names.items():
+        e = d["engines"][key]
+        out.append(f"| {label} | {e['ttft_median_s']:.2f} s | {e['ttft_min_s']:.2f} s | "
+                   f"{statistics.median(e['storage_hit_tokens']):.0f} |")
+    p = d["backend_probe"]
+    out += ["", f"Hit vs recomputing: ems **{d['speedup_hit_vs_off']['ems']:.1f}x**, `file` "
+            f"{d['speedup_hit_vs_off']['file']:.1f}x; hit outputs equal: "
+            f"{'yes' if d['hit_outputs_equal'] else 'NO'}. The backend alone, "
+            f"{p['pages']} pages of {p['page_bytes'] >> 10} KiB: `batch_get_v1` "
+            f"{p['get_ms_median']:.1f} ms ({p['get_gbps']:.1f} GB/s), `batch_set_v1` "
+            f"{p['set_ms_median']:.1f} ms ({p['set_gbps']:.1f} GB/s), `batch_exists` of "
+            f"missing pages {p['exists_miss_ms_median']:.2f} ms."]
+    return "\n".join(out)
+
+
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
@@ -290,6 +313,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "kv-events": ("kv_events.json", kv_events),
     "netns-cross-host": ("netns.json", netns_cross_host),
     "netns-latency": ("netns.json", netns_latency),
+    "sglang-ttft": ("sglang_ttft.json", sglang_ttft),
 }
 
 
