@@ -21,7 +21,7 @@ from support.cluster_support import Host  # noqa: E402
 
 from ems.cluster import launcher  # noqa: E402
 from ems.testing import run_server  # noqa: E402
-from ems.testing.leaks import check_server  # noqa: E402
+from ems.testing.leaks import check_server, check_stopped  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -89,5 +89,9 @@ def make_host(tmp_path):
             errors.append(exc)
         finally:
             cm.__exit__(None, None, None)
+        try:
+            check_stopped(server)  # the daemon checked every pool's allocator at stop
+        except AssertionError as exc:
+            errors.append(exc)
     if errors:
         raise errors[0]

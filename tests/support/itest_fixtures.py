@@ -18,6 +18,7 @@ import pytest
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.testing import run_server
+from ems.testing.leaks import check_stopped
 from support.itest_support import assert_idle
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client_worker.py")
@@ -44,6 +45,10 @@ def make_server(tmp_path):
             errors.append(exc)
         finally:
             cm.__exit__(None, None, None)
+        try:
+            check_stopped(server)  # the daemon checked every pool's allocator at stop
+        except AssertionError as exc:
+            errors.append(exc)
     if errors:
         raise errors[0]
 

@@ -54,3 +54,35 @@ def test_a_daemon_report_with_leftovers_is_busy():
     assert _busy({"tenants": {"a": row | {"leases": 1, "connections": 1}}}) == {}
     assert _busy({"tenants": {}, "cluster": {"tier": {"write_behind_pending_bytes": 9}}}) == {
         "(cluster tier)": {"write_behind_pending_bytes": 9}}
+
+
+def test_a_daemon_checks_every_pool_at_stop_and_the_teardown_reads_it(tmp_path, caplog):
+    """The daemon runs each pool's ``Allocator.check()`` when it stops and logs one
+    ERROR line per broken pool; ``check_stopped`` fails a fixture on that line."""
+    import logging
+
+    from ems.server.config import ServerConfig, TenantSpec
+    from ems.server.daemon import ALLOCATOR_BROKEN, Daemon
+    from ems.server.tenants import TenantRegistry
+    from ems.testing.leaks import check_stopped
+
+    registry = TenantRegistry([TenantSpec(None, None, 1 << 20)], 60.0)
+    daemon = Daemon(ServerConfig(socket_dir=str(tmp_path / "s"), capacity_bytes=1 << 20),
+                    registry)
+    try:
+        with caplog.at_level(logging.ERROR, logger="ems.server.daemon"):
+            daemon._check_allocators()
+            assert not caplog.records  # a sound pool: nothing said
+            pool = registry.anonymous.pool
+            pool.allocator.used_bytes += 64  # break its books
+            daemon._check_allocators()
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and ALLOCATOR_BROKEN in lines[0]
+
+        class Stopped:
+            def log(self) -> str:
+                return "\n".join(lines)
+        with pytest.raises(AssertionError, match="allocator is inconsistent"):
+            check_stopped(Stopped())
+    finally:
+        registry.close()

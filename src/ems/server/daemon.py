@@ -66,10 +66,12 @@ from ems.server.tiers import Tier
 if TYPE_CHECKING:
     from ems.server.kv_events import KvEventPublisher
 
-__all__ = ["Daemon", "DaemonError"]
+__all__ = ["ALLOCATOR_BROKEN", "Daemon", "DaemonError"]
 
 logger = logging.getLogger(__name__)
 
+#: the log line's words when a pool's allocator fails its check at stop
+ALLOCATOR_BROKEN = "the pool's allocator is inconsistent at stop, tenant"
 MAX_PENDING_OUTPUT = 64 << 20  # a client that lets this much reply pile up is dropped
 #: Bytes asked of one recv. Not more: CPython allocates that much for every recv, and
 #: past malloc's mmap threshold (128 KiB) each call maps and unmaps it (~15 us).
@@ -293,9 +295,21 @@ class Daemon:
                 self._unwatch(s)
                 s.close()
         self._wake_r = self._wake_w = None
+        self._check_allocators()
         self.registry.close()
         self._release_lock()
         self._epoll.close()
+
+    def _check_allocators(self) -> None:
+        """At stop, every connection gone: each pool's allocator must still tile its
+        arena exactly (``Allocator.check``). A break is logged as one ERROR line naming
+        the tenant (the test kits' teardown fails on it, ``ems.testing.leaks``); it
+        costs a sort of the extents, so it runs here and not per report."""
+        for tenant in self.registry:
+            try:
+                tenant.pool.allocator.check()
+            except AssertionError as exc:
+                logger.error("ems-server: %s %s: %s", ALLOCATOR_BROKEN, tenant.name, exc)
 
     def _watch(self, sock: socket.socket, data: Any) -> None:
         self._by_fd[sock.fileno()] = data

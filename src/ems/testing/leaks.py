@@ -14,6 +14,8 @@ little before it fails.
   every tenant's pins, reservations and leases from the daemon's report (a lease lives
   as long as its connection: a tenant without connections holds none), and with a
   cluster tier nothing left to write behind.
+* :func:`check_stopped` — after the daemon stopped: its log has no line saying a
+  pool's allocator failed its ``check()`` (the daemon checks every pool at stop).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["check_embedded", "check_server"]
+__all__ = ["check_embedded", "check_server", "check_stopped"]
 
 
 def check_embedded(cc: Any, timeout_s: float = 5.0) -> Any:
@@ -73,3 +75,10 @@ def check_server(server: Any, timeout_s: float = 5.0) -> dict[str, Any]:
             return report
         assert time.monotonic() < deadline, f"ems-server still holds {busy}"
         time.sleep(0.02)
+
+
+def check_stopped(server: Any) -> None:
+    """After ``server`` stopped: no pool's allocator failed the daemon's check at stop."""
+    from ems.server.daemon import ALLOCATOR_BROKEN
+    broken = [line for line in server.log().splitlines() if ALLOCATOR_BROKEN in line]
+    assert not broken, "\n".join(broken)
