@@ -214,8 +214,8 @@ class Handlers:
         entries = [mine.pop(t, None) for t in tokens]
         through = [i for i, e in enumerate(entries)
                    if e is not None and not e.write_rcache] if self._through else []
-        local = [i for i in range(len(tokens))] if not through else \
-            [i for i, e in enumerate(entries) if e is None or e.write_rcache]
+        sent = set(through)
+        local = [i for i in range(len(tokens)) if i not in sent]
         ok = [False] * len(tokens)
         for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id)):
             ok[i] = good
