@@ -312,6 +312,15 @@ class PoolSettings:
       reply before it sleeps (default 200; 0: sleep at once). A reply comes in ~30-50
       us; a thread that sleeps for it pays a wake-up and runs cold afterwards (on a
       VM, ~10-20 us of a ~100 us call). Asynchronous requests never spin.
+    * ``EMS_CUDA_REGISTER``: ``1`` (default) | ``0``: where this process copies GPU
+      memory, register the pool memory it maps with CUDA (``cudaHostRegister``, in
+      the background, once per segment), so copies run at the link's speed instead of
+      through the driver's pageable bounce buffer. ``0`` never tries (hosts whose
+      memlock limit or container refuses it: the refusal is logged once, counted, and
+      copies stay pageable).
+    * ``EMS_CUDA_STAGING``: device staging memory per direction per GPU for V1 CUDA
+      caches, bytes or ``32M`` (default 32 MiB; grown to one block's object where a
+      block is larger). A request's blocks are gathered into it, a chunk at a time.
     """
 
     mode: str = "auto"
@@ -320,6 +329,8 @@ class PoolSettings:
     connect_timeout_ms: int = 3000
     workers: int = 4
     spin_us: int = 200
+    cuda_register: bool = True
+    cuda_staging_bytes: int = 32 << 20
 
     #: the daemon's socket file inside ``socket_dir``
     SOCKET_NAME = "ems.sock"
@@ -345,6 +356,14 @@ class PoolSettings:
             kwargs["socket_dir"] = env["EMS_SOCKET_DIR"]
         if env.get("EMS_CAPACITY"):
             kwargs["capacity_bytes"] = parse_bytes(env["EMS_CAPACITY"], "EMS_CAPACITY")
+        register = env.get("EMS_CUDA_REGISTER", "").strip().lower()
+        if register:
+            if register not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise invalid(f"EMS_CUDA_REGISTER must be 1 or 0, got {env['EMS_CUDA_REGISTER']!r}")
+            kwargs["cuda_register"] = register in ("1", "true", "yes", "on")
+        if env.get("EMS_CUDA_STAGING"):
+            kwargs["cuda_staging_bytes"] = parse_bytes(env["EMS_CUDA_STAGING"],
+                                                       "EMS_CUDA_STAGING")
         for var, field, low, high in (("EMS_CONNECT_TIMEOUT_MS", "connect_timeout_ms", 1, None),
                                       ("EMS_WORKERS", "workers", 1, None),
                                       ("EMS_SPIN_US", "spin_us", 0, 1_000_000)):

@@ -6,73 +6,175 @@ import ctypes
 
 import pytest
 
-from ems.client import copy as copy_mod
+from ems.client import cuda
 
 
 class FakeCuda:
-    """Stands in for the CUDA runtime: addresses in ``device`` are "device memory"."""
+    """Stands in for the CUDA runtime (:class:`ems.client.cuda.CudaRuntime`): addresses
+    in ``device`` are "device memory"; it records every call, copies with memmove."""
 
-    def __init__(self, device: set[int]) -> None:
+    def __init__(self, device: set[int], refuse: str | None = None) -> None:
         self.device = device
-        self.calls: list[tuple[int, int, int]] = []
+        self.refuse = refuse
+        self.batches: list[list[cuda.Run]] = []
+        self.calls: list[tuple[str, int, int]] = []  # (verb, address, bytes)
 
-    def is_device(self, ptr: int) -> bool:
-        return ptr in self.device
+    def device_of(self, address: int) -> int | None:
+        return 0 if address in self.device else None
 
-    def memcpy(self, dst: int, src: int, n: int) -> None:
-        self.calls.append((dst, src, n))
-        ctypes.memmove(dst, src, n)  # the fake "device" is host memory
+    def host_register(self, device: int, address: int, nbytes: int) -> str | None:
+        self.calls.append(("register", address, nbytes))
+        return self.refuse
+
+    def host_unregister(self, device: int, address: int) -> None:
+        self.calls.append(("unregister", address, 0))
+
+    def copy_runs(self, device: int, runs) -> None:
+        self.batches.append(list(runs))
+        for r in runs:
+            ctypes.memmove(r.dst, r.src, r.nbytes)  # the fake "device" is host memory
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    def install(device: set[int]) -> FakeCuda:
-        fake = FakeCuda(device)
-        monkeypatch.setattr(copy_mod, "_cuda", fake)
-        monkeypatch.setattr(copy_mod, "_cuda_probed", True)
+    def install(device: set[int], refuse: str | None = None) -> FakeCuda:
+        fake = FakeCuda(device, refuse)
+        monkeypatch.setattr(cuda, "_runtime", fake)
+        monkeypatch.setattr(cuda, "_probed", True)
         return fake
     return install
 
 
-def test_host_pointers_never_go_through_the_device_runtime(fake_cuda):
+def _v0(monkeypatch, **env: str):
+    from ems import CcConfig, Ems, EmsConfig
+    monkeypatch.setenv("EMS_POOL", "embedded")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    return Ems
+
+
+def test_host_pointers_never_go_through_the_device_runtime(fake_cuda, monkeypatch):
+    from ems import CcKvOption, KvBufferWrapper
     fake = fake_cuda(set())
     src = ctypes.create_string_buffer(b"abcdefgh")
     dst = ctypes.create_string_buffer(8)
-    copy_mod.copy_bytes(ctypes.addressof(dst), ctypes.addressof(src), 8)
-    assert dst.raw == b"abcdefgh" and fake.calls == []
-
-
-@pytest.mark.parametrize("side", ["dst", "src"])
-def test_device_pointer_is_copied_with_the_runtime(fake_cuda, side):
-    src = ctypes.create_string_buffer(b"kvblock!")
-    dst = ctypes.create_string_buffer(8)
-    s, d = ctypes.addressof(src), ctypes.addressof(dst)
-    fake = fake_cuda({d if side == "dst" else s})
-    copy_mod.copy_bytes(d, s, 8)
-    assert fake.calls == [(d, s, 8)] and dst.raw == b"kvblock!"
-
-
-def test_v0_save_load_with_device_buffers_uses_the_runtime(fake_cuda, monkeypatch):
-    from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper
-    monkeypatch.setenv("EMS_POOL", "embedded")
-    src = ctypes.create_string_buffer(bytes(range(64)))
-    dst = ctypes.create_string_buffer(64)
-    fake = fake_cuda({ctypes.addressof(src), ctypes.addressof(dst)})
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    ems = _v0(monkeypatch)
     try:
-        cc = Ems.get_cc()
-        opt = CcKvOption()
-        assert cc.save(opt, ["dev"], [[KvBufferWrapper(ctypes.addressof(src), 64)]]).success == 1
-        assert cc.load(opt, ["dev"], [[KvBufferWrapper(ctypes.addressof(dst), 64)]]).success == 1
+        cc = ems.get_cc()
+        assert cc.save(CcKvOption(), ["h"], [[KvBufferWrapper(ctypes.addressof(src), 8)]]
+                       ).success == 1
+        assert cc.load(CcKvOption(), ["h"], [[KvBufferWrapper(ctypes.addressof(dst), 8)]]
+                       ).success == 1
     finally:
-        Ems.finalize()
-    assert dst.raw == bytes(range(64))
-    assert len(fake.calls) == 2
+        ems.finalize()
+    assert dst.raw == b"abcdefgh"
+    assert fake.batches == [] and fake.calls == []  # nothing registered either
+
+
+def test_v0_device_buffers_move_in_one_batched_call_per_request(fake_cuda, monkeypatch):
+    """Three keys of two device buffers each: one ``copy_runs`` per save and per load
+    (not a synchronous copy per buffer); the pool registered once, in the background,
+    and unregistered before the embedded arena is unmapped."""
+    from ems import CcKvOption, KvBufferWrapper
+    bufs = [ctypes.create_string_buffer(bytes([k]) * 48) for k in range(6)]
+    outs = [ctypes.create_string_buffer(48) for _ in range(6)]
+    fake = fake_cuda({ctypes.addressof(b) for b in bufs + outs})
+    ems = _v0(monkeypatch)
+    try:
+        cc = ems.get_cc()
+        seg = ems._transport.segment
+        keys = ["a", "b", "c"]
+        regions = [[KvBufferWrapper(ctypes.addressof(bufs[2 * i + j]), 48) for j in (0, 1)]
+                   for i in range(3)]
+        assert cc.save(CcKvOption(), keys, regions).success == 3
+        outr = [[KvBufferWrapper(ctypes.addressof(outs[2 * i + j]), 48) for j in (0, 1)]
+                for i in range(3)]
+        assert cc.load(CcKvOption(), keys, outr).success == 3
+        assert len(fake.batches) == 2 and [len(b) for b in fake.batches] == [6, 6]
+        seg.pinning._thread.join(5)
+        assert seg.pinning.state.value == "registered"
+    finally:
+        ems.finalize()
+    assert [o.raw[:48] for o in outs] == [b.raw[:48] for b in bufs]
+    regs = [c for c in fake.calls if c[0] == "register"]
+    unregs = [c for c in fake.calls if c[0] == "unregister"]
+    assert sum(n for _, _, n in regs) == seg.size  # the whole arena, once
+    assert sorted(a for _, a, _ in unregs) == sorted(a for _, a, _ in regs)
+
+
+def test_v0_device_runs_are_cut_at_registration_chunks(fake_cuda, monkeypatch):
+    from ems import CcKvOption, KvBufferWrapper
+    monkeypatch.setattr(cuda, "_settings", cuda.GpuSettings(register_chunk_bytes=4096))
+    buf = ctypes.create_string_buffer(bytes(range(256)) * 40)  # 10240 bytes
+    out = ctypes.create_string_buffer(10240)
+    fake = fake_cuda({ctypes.addressof(buf), ctypes.addressof(out)})
+    monkeypatch.setattr(cuda, "configure", lambda value: None)  # keep the small chunks
+    ems = _v0(monkeypatch)
+    try:
+        cc = ems.get_cc()
+        seg = ems._transport.segment
+        base = seg.address
+        assert cc.save(CcKvOption(), ["k"], [[KvBufferWrapper(ctypes.addressof(buf), 10240)]]
+                       ).success == 1
+        assert cc.load(CcKvOption(), ["k"], [[KvBufferWrapper(ctypes.addressof(out), 10240)]]
+                       ).success == 1
+    finally:
+        ems.finalize()
+    assert out.raw[:10240] == buf.raw[:10240]
+    for batch in fake.batches:
+        assert sum(r.nbytes for r in batch) == 10240
+        for r in batch:
+            pool = r.dst if base <= r.dst < base + seg.size else r.src
+            first, last = (pool - base) // 4096, (pool - base + r.nbytes - 1) // 4096
+            assert first == last, "a run spans two registration chunks"
+
+
+def test_a_refused_registration_is_logged_once_counted_and_copies_still_work(
+        fake_cuda, monkeypatch, caplog):
+    from ems import CcKvOption, KvBufferWrapper
+    from ems.client import pinning
+    buf = ctypes.create_string_buffer(b"x" * 64)
+    fake = fake_cuda({ctypes.addressof(buf)}, refuse="operation not permitted (code 800)")
+    before = pinning.statistics()
+    ems = _v0(monkeypatch)
+    try:
+        cc = ems.get_cc()
+        seg = ems._transport.segment
+        with caplog.at_level("WARNING", logger="ems.client.pinning"):
+            assert cc.save(CcKvOption(), ["k"], [[KvBufferWrapper(ctypes.addressof(buf), 64)]]
+                           ).success == 1
+            seg.pinning._thread.join(5)
+        assert seg.pinning.state.value == "refused"
+        assert cc.load(CcKvOption(), ["k"], [[KvBufferWrapper(ctypes.addressof(buf), 64)]]
+                       ).success == 1
+    finally:
+        ems.finalize()
+    after = pinning.statistics()
+    assert after.refusals == before.refusals + 1
+    assert after.pageable_bytes - before.pageable_bytes == seg.size
+    assert [c[0] for c in fake.calls] == ["register"]  # nothing to unregister
+    assert len([r for r in caplog.records if "cudaHostRegister refused" in r.message]) <= 1
+
+
+def test_registration_off_never_registers(fake_cuda, monkeypatch):
+    from ems import CcKvOption, KvBufferWrapper
+    buf = ctypes.create_string_buffer(b"y" * 64)
+    fake = fake_cuda({ctypes.addressof(buf)})
+    ems = _v0(monkeypatch, EMS_CUDA_REGISTER="0")
+    try:
+        cc = ems.get_cc()
+        assert cc.save(CcKvOption(), ["k"], [[KvBufferWrapper(ctypes.addressof(buf), 64)]]
+                       ).success == 1
+    finally:
+        ems.finalize()
+        cuda.configure(cuda.GpuSettings())
+    assert fake.calls == [] and len(fake.batches) == 1
 
 
 def test_probe_without_cuda_is_none_or_runtime():
     # On a machine without a GPU the probe answers None and never raises.
-    rt = copy_mod.cuda_runtime()
+    rt = cuda.runtime()
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         assert rt is None

@@ -25,11 +25,15 @@ Copies are vectorised, never a Python loop over blocks or tokens. Host tensors (
 the native helper built): every run of the request (a whole block where every block
 of a group is a full, block-aligned run of slots, as engines send; else a token) is
 computed at once from per-group int64 tables, sorted by source address, and copied
-by the native helper a few calls per request (``_copy_runs``). Device tensors and
-builds without the helper: per registered tensor, one gather (``index_select``) and
-one scatter (``index_put_`` / ``index_copy_``); pool memory is viewed as overlapping
-rows (:meth:`Segment.window`) so that a row index is an element offset and one index
-op reaches objects anywhere in the pool.
+by the native helper a few calls per request (``_copy_runs``). A cache on one CUDA
+device: its blocks are gathered on the GPU into a staging buffer laid out as the pool
+objects, which moves in one asynchronous copy per contiguous pool run on a side
+stream, ordered by events against the engine's stream (:mod:`ems.client.staging`;
+never a device-wide synchronize). Other devices and builds without the helper: per
+registered tensor, one gather (``index_select``) and one scatter (``index_put_`` /
+``index_copy_``). Pool memory and staging are viewed as overlapping rows
+(:meth:`Segment.window`) so that a row index is an element offset and one index op
+reaches objects anywhere.
 
 Opaque pages (``block_size=N``): some layouts do not keep a block's tokens along dim
 1 -- the NZ layout ``[num_blocks, heads*head_size/16, block_size, 16]``, vLLM's CPU
@@ -53,9 +57,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from ems.client import native
+from ems.client import cuda, native, staging
 from ems.client.segment import Segment
 from ems.errors import invalid
 from ems.futures import Task
@@ -148,7 +152,8 @@ class RegisteredLayout:
     """What ``register_kvcache`` registered: validated views of every cache tensor."""
 
     def __init__(self, kv_caches: Any, store_layer_group_desc: Any = None,
-                 block_size: Any = None) -> None:
+                 block_size: Any = None, device_ops: Optional[cuda.DeviceOps] = None
+                 ) -> None:
         import torch
         self._torch = torch
         if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
@@ -205,6 +210,14 @@ class RegisteredLayout:
         if "meta" in self.devices and not self.meta:
             raise invalid(f"kv_caches mixes meta tensors with tensors on {self.devices}: "
                           f"register either a layout only (all meta) or real memory")
+        #: the staged device path (:mod:`ems.client.staging`) of a cache on one CUDA
+        #: device, with its device (None: host tables or torch gather/scatter).
+        #: ``device_ops`` given: that path on any device (tests drive it on the CPU).
+        self.device_ops: Optional[cuda.DeviceOps] = device_ops
+        self.device: Any = layers[0][0].device
+        on_cuda = len(self.devices) == 1 and self.device.type == "cuda"
+        if device_ops is None and on_cuda:
+            self.device_ops = cuda.torch_ops()
 
     # ------------------------------------------------------------ registration
     def _check_tensor(self, t: Any, field: str, opaque: bool = False) -> None:
@@ -460,6 +473,12 @@ class V1Mover:
                  + layout.page_bytes)
         self.base = torch.cumsum(sizes, dim=1) - sizes
         self.sizes = [int(s) for s in sizes.sum(dim=1).tolist()]
+        #: the staged device path: where the engine's work ends, taken now, in the
+        #: caller's thread (or the mark of an enclosing ``cuda.ordered_after``)
+        self.mark: Optional[cuda.EngineMark] = None
+        ops = layout.device_ops
+        if ops is not None:
+            self.mark = cuda.current_mark() or cuda.engine_mark(ops, layout.device)
 
     # ------------------------------------------------------------ copies
     def to_pool(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]],
@@ -472,22 +491,77 @@ class V1Mover:
 
     def _move(self, items: Sequence[int], locs: Sequence[tuple[Segment, int]], task: Task,
               save: bool) -> None:
-        torch = self._torch
         by_segment: dict[int, tuple[Segment, list[int], list[int]]] = {}
         for i, (seg, off) in zip(items, locs):
             entry = by_segment.setdefault(seg.id, (seg, [], []))
             entry[1].append(i)
             entry[2].append(off)
         n_obj = len(self.sizes)
-        synced: set[Any] = set()
         for seg, objs, offs in by_segment.values():
             with seg.use():
-                self._move_segment(seg, objs, offs, n_obj, task, save, synced)
-        for device in synced:  # every byte is in the caller's cache before we return
-            torch.cuda.synchronize(device)
+                if self.mark is not None:
+                    self._move_staged(seg, objs, offs, task, save)
+                else:
+                    self._move_segment(seg, objs, offs, n_obj, task, save)
 
+    # ------------------------------------------------------------ staged (device)
+    def _move_staged(self, seg: Segment, objs: list[int], offs: list[int], task: Task,
+                     save: bool) -> None:
+        """The device path (:mod:`ems.client.staging`): plan, then run on the lane."""
+        layout, ops, mark = self.layout, self.layout.device_ops, self.mark
+        assert ops is not None and mark is not None
+        device = layout.device
+        if device.type == "cuda":
+            seg.pin(device.index if device.index is not None else 0)
+        sizes = [self.sizes[i] for i in objs]
+        need = -(-max(sizes) // 64) * 64
+        ln = staging.lane(ops, device, save)
+        with ln.lock:
+            ln.ensure(need)
+            chunks = staging.plan_stages(objs, offs, sizes, ln.capacity,
+                                         seg.pinning.chunk_bytes)
+            staging.move(ln, seg.tensor(), chunks, task, mark, save,
+                         lambda chunk, lane: self._fill(chunk, lane, save))
+
+    def _fill(self, chunk: staging.StageChunk, ln: staging.Lane, save: bool) -> None:
+        """Queue one chunk's gather (cache -> staging) or scatter (staging -> cache):
+        per tensor one index op on the device, with the chunk's indices moved to the
+        device once per layer group."""
+        torch, layout = self._torch, self.layout
+        dev, unit = ln.device, layout.unit
+        objs = torch.tensor(chunk.objects, dtype=torch.int64)
+        soff = torch.tensor(chunk.stage_offsets, dtype=torch.int64)
+        obj_stage = torch.full((len(self.sizes),), -1, dtype=torch.int64)
+        obj_stage.index_copy_(0, objs, soff)
+        base = self.base.index_select(0, objs)
+        for gi, group in enumerate(layout.groups):
+            tok = self.tokens[gi]
+            cols = torch.tensor(group.tensors, dtype=torch.int64)
+            ids = dest = None
+            if tok.block_ids is not None:
+                ids = tok.block_ids.index_select(0, objs).to(dev)
+                dest = ((soff[:, None] + base.index_select(1, cols)) // unit).to(dev)
+            toks = None
+            for k, ti in enumerate(group.tensors):
+                info = layout.tensors[ti]
+                if ids is not None and dest is not None and info.blocks is not None:
+                    win = ln.window(layout.dtype, info.blocks.shape[1])
+                    self._copy_rows(info.blocks, ids, win, dest[:, k], save)
+                    continue
+                if toks is None:
+                    keep = obj_stage.index_select(0, tok.obj) >= 0
+                    tobj, pos = tok.obj[keep], tok.pos[keep]
+                    toks = (tok.slots[keep].to(dev), tobj, pos,
+                            obj_stage.index_select(0, tobj))
+                slots, tobj, pos, tstage = toks
+                tdest = ((tstage + self.base[tobj, ti] + pos * info.token_bytes) // unit
+                         ).to(dev)
+                self._copy_tokens(info, slots, ln.window(layout.dtype, info.width), tdest,
+                                  save)
+
+    # ------------------------------------------------------------ host / torch
     def _move_segment(self, seg: Segment, objs: list[int], offs: list[int], n_obj: int,
-                      task: Task, save: bool, synced: set) -> None:
+                      task: Task, save: bool) -> None:
         torch = self._torch
         obj_off = torch.full((n_obj,), -1, dtype=torch.int64)
         obj_t = torch.tensor(objs, dtype=torch.int64)
@@ -522,8 +596,6 @@ class V1Mover:
                             ) // unit
                     window = seg.window(self.layout.dtype, info.width)
                     self._copy_tokens(info, slots, window, dest, save)
-                if info.t3.device.type == "cuda" and not save:
-                    synced.add(info.t3.device)
         if runs:
             self._copy_runs(runs, task, save)
 

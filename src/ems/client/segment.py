@@ -7,6 +7,9 @@ were running when the connection was replaced::
        |                                                           | last copy ends
        +--close()--------------------------------------------------+--> UNMAPPED
 
+(``close`` unregisters the segment from CUDA, where a device copy registered it,
+before it unmaps: :mod:`ems.client.pinning`.)
+
 Copies run inside ``with segment.use():`` (the movers), so ``retire`` never unmaps
 memory a copy is writing: a copy that started before the daemon died finishes from
 this mapping (which stays valid), and the mapping goes with the last one. Relying on
@@ -29,9 +32,11 @@ import mmap
 import threading
 from typing import Any, Optional
 
+from ems.client import cuda
+from ems.client.pinning import Pinning
 from ems.errors import EmsErrorCode, EmsException
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "window"]
 
 
 class Segment:
@@ -50,6 +55,15 @@ class Segment:
         self._users: list[None] = []  # one entry per copy in flight
         self._retired = False  # no new copy starts (set by retire and close)
         self._use = _Use(self)
+        #: its registration with CUDA (started by the first device copy: :meth:`pin`)
+        self.pinning = Pinning(self.address, self.size, cuda.settings().register_chunk_bytes)
+
+    def pin(self, device: int) -> None:
+        """A copy to or from ``device`` is about to use this segment: register it with
+        CUDA in the background, unless ``EMS_CUDA_REGISTER=0`` (see
+        :mod:`ems.client.pinning`; a no-op after the first call)."""
+        if cuda.settings().register:
+            self.pinning.start(device)
 
     def use(self) -> "_Use":
         """``with segment.use():`` holds the mapping for a copy (raises ``EMS_IO_ERROR``
@@ -80,14 +94,7 @@ class Segment:
         key = (dtype, width)
         view = self._windows.get(key)
         if view is None:
-            whole = self.tensor()
-            # A segment whose size is not a multiple of the element size (an odd
-            # EMS_CAPACITY) cannot be viewed as ``dtype``; its tail is never allocated
-            # (the pool's capacity is rounded down to its alignment), so drop it.
-            item = whole[:0].view(dtype).element_size()
-            flat = whole[:whole.numel() - whole.numel() % item].view(dtype)
-            view = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
-            self._windows[key] = view
+            view = self._windows[key] = window(self.tensor(), dtype, width)
         return view
 
     def close(self) -> None:
@@ -97,6 +104,7 @@ class Segment:
             mm, self._mm = self._mm, None
             if mm is None:
                 return
+        self.pinning.release()  # (CUDA must let go of the pages before they are unmapped)
         self._windows.clear()
         self._tensor = None
         self._cbuf = None
@@ -105,6 +113,17 @@ class Segment:
                 mm.close()
             except BufferError:  # a tensor view is still alive somewhere: let GC unmap
                 pass
+
+
+def window(whole: Any, dtype: Any, width: int) -> Any:
+    """A ``[n, width]`` view of the 1-D uint8 tensor ``whole`` as ``dtype`` whose row
+    ``r`` starts at element ``r`` (see :meth:`Segment.window`; device staging too)."""
+    # A segment whose size is not a multiple of the element size (an odd
+    # EMS_CAPACITY) cannot be viewed as ``dtype``; its tail is never allocated
+    # (the pool's capacity is rounded down to its alignment), so drop it.
+    item = whole[:0].view(dtype).element_size()
+    flat = whole[:whole.numel() - whole.numel() % item].view(dtype)
+    return flat.as_strided((flat.numel() - width + 1, width), (1, 1))
 
 
 class _Use:

@@ -33,6 +33,7 @@ import logging
 import threading
 from typing import Any, Optional
 
+from ems.client import cuda
 from ems.client.context_caching import ContextCaching
 from ems.client.transport import Transport
 from ems.config import EmsConfig, PoolSettings, has_credentials, validate_ems_config
@@ -120,6 +121,8 @@ class Ems:
                 raise EmsException(EmsErrorCode.EMS_ALREADY_INITIALIZED,
                                    "Ems.init was already called with a different config; "
                                    "call Ems.finalize() first")
+            cuda.configure(cuda.GpuSettings(register=settings.cuda_register,
+                                            staging_bytes=settings.cuda_staging_bytes))
             transport = open_transport(settings, config)
             cc = None
             if config.cc_config is not None or config.cc_config_v1 is not None:
