@@ -329,6 +329,8 @@ def test_auto_mode_without_socket_uses_the_embedded_pool(monkeypatch, tmp_path):
     ("EMS_SPIN_US", "-1"),
     ("EMS_SPIN_US", "fast"),
     ("EMS_SPIN_US", "2000000"),
+    ("EMS_CUDA_REGISTER", "maybe"),
+    ("EMS_CUDA_STAGING", "big"),
 ])
 def test_bad_environment_is_invalid(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -345,6 +347,28 @@ def test_spin_comes_from_the_environment(monkeypatch, value, expected):
 
     env = {} if value is None else {"EMS_SPIN_US": value}
     assert PoolSettings.from_env(env).spin_us == expected
+
+
+@pytest.mark.parametrize("env, register, staging", [
+    ({}, True, 32 << 20), ({"EMS_CUDA_REGISTER": "0"}, False, 32 << 20),
+    ({"EMS_CUDA_REGISTER": "1", "EMS_CUDA_STAGING": "64M"}, True, 64 << 20),
+])
+def test_gpu_settings_come_from_the_environment(env, register, staging):
+    from ems.config import PoolSettings
+
+    s = PoolSettings.from_env(env)
+    assert (s.cuda_register, s.cuda_staging_bytes) == (register, staging)
+
+
+def test_init_hands_the_gpu_settings_to_the_cuda_module(monkeypatch):
+    from ems.client import cuda
+
+    monkeypatch.setenv("EMS_POOL", "embedded")
+    monkeypatch.setenv("EMS_CUDA_REGISTER", "0")
+    monkeypatch.setenv("EMS_CUDA_STAGING", "8M")
+    monkeypatch.setattr(cuda, "_settings", cuda.GpuSettings())
+    Ems.init(EmsConfig(cc_config=cc0()))
+    assert cuda.settings() == cuda.GpuSettings(register=False, staging_bytes=8 << 20)
 
 
 @pytest.mark.parametrize("text, expected", [

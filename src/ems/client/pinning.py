@@ -76,10 +76,11 @@ class PinState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class PinningStatistics:
-    """Process totals: bytes registered now, chunks registered and unregistered since
-    start, segments whose registration the driver refused (and their bytes left
-    pageable)."""
+    """Process totals: segments registering now, bytes registered now, chunks
+    registered and unregistered since start, segments whose registration the driver
+    refused (and their bytes left pageable)."""
 
+    registering: int
     registered_bytes: int
     chunks_registered: int
     chunks_unregistered: int
@@ -90,6 +91,7 @@ class PinningStatistics:
 class _Totals:
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.registering = 0
         self.registered_bytes = 0
         self.chunks_registered = 0
         self.chunks_unregistered = 0
@@ -104,7 +106,7 @@ _totals = _Totals()
 def statistics() -> PinningStatistics:
     t = _totals
     with t.lock:
-        return PinningStatistics(t.registered_bytes, t.chunks_registered,
+        return PinningStatistics(t.registering, t.registered_bytes, t.chunks_registered,
                                  t.chunks_unregistered, t.refusals, t.pageable_bytes)
 
 
@@ -133,11 +135,20 @@ class Pinning:
                 return
             self.state = PinState.REGISTERING
             self._device = device
+            with _totals.lock:
+                _totals.registering += 1
             self._thread = threading.Thread(target=self._run, args=(rt,), daemon=True,
                                             name="ems-cuda-register")
             self._thread.start()
 
     def _run(self, rt: cuda.CudaRuntime) -> None:
+        try:
+            self._register(rt)
+        finally:
+            with _totals.lock:
+                _totals.registering -= 1
+
+    def _register(self, rt: cuda.CudaRuntime) -> None:
         for chunk in plan_chunks(self.size, self.chunk_bytes):
             if self._stop.is_set():
                 return

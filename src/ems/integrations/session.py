@@ -46,6 +46,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional, Sequence
 
 from ems.client.context_caching import ContextCaching
+from ems.client.cuda import EngineMark, ordered_after
 from ems.client.singleton import Ems
 from ems.config import CcKvOption, EmsConfig
 from ems.errors import EmsErrorCode, EmsException
@@ -241,25 +242,31 @@ class PoolSession:
             return 0
 
     def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]],
-             event_hashes: Optional[Sequence[int]] = None) -> Optional["Future[int]"]:
+             event_hashes: Optional[Sequence[int]] = None,
+             after: Optional[EngineMark] = None) -> Optional["Future[int]"]:
         """Save on this session's save thread (beside the engine); the future gives the
         leading blocks saved (0 when it failed: counted). None: the pool is not usable.
         ``chunk_descs``: per registered layer group, one ``(start_slot, length)`` per
         hash (the SDK's chunk_descs semantics: each group's blocks have their own ids);
         ``event_hashes``: the engine's own block hashes, which the daemon publishes in
-        its KV events (None: none)."""
+        its KV events (None: none); ``after``: where the engine's writes of these
+        blocks end on its stream (:func:`ems.client.cuda.engine_mark`, taken by the
+        caller: the copies of a CUDA cache start after it, on a stream of their own)."""
         cc = self.usable()
         if cc is None:
             return None
         option = CcKvOption(timeout=self.settings.save_timeout_ms)
         return self._saver.submit(self._save, cc, list(hashes), chunk_descs, option,
-                                  None if event_hashes is None else list(event_hashes))
+                                  None if event_hashes is None else list(event_hashes),
+                                  after)
 
     def _save(self, cc: Any, hashes: list[int], chunk_descs: list[list[tuple[int, int]]],
-              option: CcKvOption, event_hashes: Optional[list[int]]) -> int:
+              option: CcKvOption, event_hashes: Optional[list[int]],
+              after: Optional[EngineMark] = None) -> int:
         try:
-            return int(cc.save(hashes=hashes, chunk_descs=chunk_descs, option=option,
-                               event_hashes=event_hashes).success)
+            with ordered_after(after):
+                return int(cc.save(hashes=hashes, chunk_descs=chunk_descs, option=option,
+                                   event_hashes=event_hashes).success)
         except EmsException as exc:
             self._failed(exc, "save")
             return 0

@@ -79,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from ems.client import cuda
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
 from ems.integrations.block_keys import ROOT, block_digest, event_hash, key_of
 from ems.integrations.counters import Counters
@@ -366,7 +367,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 self._ident = torch.zeros((num_blocks, *identity_shape(self.block_size)),
                                           dtype=torch.uint8, device=layers[-1][0].device)
                 layers.append([self._ident])
-        self._device_is_cuda = layers[0][0].device.type == "cuda"
+        first = layers[0][0]
+        self._cuda_device = first.device if first.device.type == "cuda" else None
         self._session.register(layers, page, real=True, groups=self._layer_groups())
         logger.info("ems: registered %d layers in %d KV cache group(s) (%s) of %s pages",
                     len(layers), len(self._specs), ", ".join(map(str, self._kinds)),
@@ -627,8 +629,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
             return
-        if getattr(self, "_device_is_cuda", False):
-            torch.cuda.current_stream().synchronize()  # the forward's writes are done
+        device = getattr(self, "_cuda_device", None)
         bs = self.block_size
         submitted = []
         for t in meta.saves:
@@ -637,8 +638,12 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             if self._ident is not None:
                 write_identities(self._ident, t.block_ids[self._ident_group], t.identities)
+            # Where the forward's writes (and the identities') end on the engine's
+            # stream: the save's copies wait for this event on their own stream, so
+            # the engine never waits for a save (it synchronized its stream here).
+            mark = None if device is None else cuda.engine_mark(cuda.torch_ops(), device)
             fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs),
-                                     t.event_hashes or None)
+                                     t.event_hashes or None, after=mark)
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue
