@@ -11,9 +11,10 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
 (``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``)
-and ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``). A new run replaces the
-JSON; this script then replaces the tables, so the page never shows a figure that no
-JSON holds.
+and ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``); ``docs/bench-gpu.json``
+(``benchmarks/gpu_check.py --json``) where a GPU run was made: until then its block
+says so. A new run replaces the JSON; this script then replaces the tables, so the
+page never shows a figure that no JSON holds.
 """
 
 from __future__ import annotations
@@ -293,6 +294,33 @@ def sglang_ttft(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def gpu_check(d: Optional[dict[str, Any]]) -> str:
+    if d is None:
+        return ("Not measured yet — no GPU lent. `benchmarks/gpu_check.py --json "
+                "docs/bench-gpu.json` on a CUDA machine writes the figures this table shows.")
+    reg = d["registration"]
+    state = ("refused (pageable copies)" if reg["refusals"] else
+             f"{reg['registered_bytes'] >> 20} MiB registered in {reg['seconds']:.1f} s")
+    exact = ", ".join(f"{k.replace('_', ' ')} {'bit-exact' if v else '**WRONG**'}"
+                      for k, v in d["exact"].items())
+    m = d["machine"]
+    out = [f"Run of {d['date'][:10]} on one {d['device']} (torch {m['torch']}, CUDA "
+           f"{m['cuda']}, ems {m['ems']}, {d['elapsed_s']:.0f} s); pool memory: {state}; "
+           f"{exact}.", "",
+           "| API | run | op | ems GB/s | torch pinned | × pinned | torch pageable | "
+           "× pageable | bulk pinned (link) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["throughput"]:
+        out.append(f"| {r['api'].upper()} | {_size(r['run_bytes'])} | {r['op']} | "
+                   f"{r['gbps']:.1f} | {r['pinned_gbps']:.1f} | {r['x_pinned']:.2f} | "
+                   f"{r['pageable_gbps']:.1f} | {r['x_pageable']:.2f} | "
+                   f"{r['pinned_bulk_gbps']:.1f} |")
+    st = d["stall"]
+    out += ["", f"A bf16 matmul loop on the engine's stream: {st['alone_ms']:.3f} ms per "
+            f"iteration alone, {st['with_saves_ms']:.3f} ms with V1 saves in flight "
+            f"(×{st['ratio']:.3f}; {st['blocks_saved']} blocks of 2 MiB saved meanwhile)."]
+    return "\n".join(out)
+
+
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
@@ -315,6 +343,10 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "netns-latency": ("netns.json", netns_latency),
     "sglang-ttft": ("sglang_ttft.json", sglang_ttft),
 }
+#: blocks whose JSON may be absent (no run yet): rendered from None
+OPTIONAL: dict[str, tuple[str, Callable[[Optional[dict[str, Any]]], str]]] = {
+    "gpu-check": ("bench-gpu.json", gpu_check),
+}
 
 
 def render(page: str) -> str:
@@ -323,6 +355,12 @@ def render(page: str) -> str:
         if not pattern.search(page):
             raise SystemExit(f"{PAGE}: no block '{name}' (<!-- generated: {name} -->)")
         body = make(_load(source))
+        page = pattern.sub(lambda m, b=body: f"{m.group(1)}{b}\n{m.group(2)}", page)
+    for name, (source, maybe) in OPTIONAL.items():
+        pattern = re.compile(rf"(<!-- generated: {name} -->\n).*?(<!-- end: {name} -->)", re.S)
+        if not pattern.search(page):
+            raise SystemExit(f"{PAGE}: no block '{name}' (<!-- generated: {name} -->)")
+        body = maybe(_load(source) if (DOCS / source).exists() else None)
         page = pattern.sub(lambda m, b=body: f"{m.group(1)}{b}\n{m.group(2)}", page)
     return page
 

@@ -82,3 +82,18 @@ def test_bench_rejects_unknown_names():
         main(["--systems", "memcache"])
     with pytest.raises(SystemExit, match="unknown workload"):
         main(["--workloads", "v9"])
+
+
+def test_gpu_check_without_cuda_exits_cleanly_with_one_line():
+    """``benchmarks/gpu_check.py`` on a machine without CUDA (this one, in CI): exit 0,
+    one line saying why, no JSON written."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the script would run for real")
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--json", "/nonexistent/x.json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA device"), proc.stdout
