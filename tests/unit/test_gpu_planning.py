@@ -277,6 +277,10 @@ class FakeOps:
         self.log.append(("staging", nbytes))
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def upload(self, host, device):
+        assert self.current == "side", "an index upload outside the side stream"
+        return host
+
     def translate(self):
         return contextlib.nullcontext()
 
@@ -415,7 +419,7 @@ def test_chunks_are_bounded_in_flight_and_a_timed_out_load_scatters_nothing_afte
     assert written == [True, True, True, False, False, False]
 
 
-def test_cuda_tensors_choose_the_staged_path_and_cpu_tensors_the_host_path():
+def test_cpu_tensors_keep_the_host_path_unless_device_ops_are_given():
     from ems.client.layout import RegisteredLayout
     assert RegisteredLayout(caches()).device_ops is None
 
@@ -429,3 +433,31 @@ def test_ordered_after_gives_a_plan_the_engines_mark(pool):
         mover = staged.plan_slots(list(range(4)), [4])
     assert mover.mark is mark
     assert staged.plan_slots(list(range(4)), [4]).mark is not mark
+
+
+def test_a_timed_out_staged_save_waits_for_its_copies_and_gives_the_space_back(pool,
+                                                                               monkeypatch):
+    from ems.client.layout import RegisteredLayout
+    from ems.futures import Cancelled
+    kv = caches()
+    ops = FakeOps()
+    staged = RegisteredLayout(kv, device_ops=ops)
+    one_block = -(-max(staged.plan_slots(list(range(4)), [4]).sizes) // 64) * 64
+    monkeypatch.setattr(cuda, "_settings", cuda.GpuSettings(staging_bytes=one_block))
+    cancel = CancelAt(2, ops)
+    with pytest.raises(Cancelled):
+        run(pool, staged, "save", list(range(12)), [4, 4, 4], ["x", "y", "z"],
+            task=cancel.task)
+    after = ops.log[ops.log.index(("cancelled",)) + 1:]
+    last = [x[2] for x in ops.log if x[0] == "record" and x[1] == "side"][-1]
+    assert after == [("sync", last)]
+    stats = pool.statistics()
+    assert (stats.used_bytes, stats.reserved, stats.objects) == (0, 0, 0)  # aborted
+
+
+def test_cuda_runtime_errors_become_io_errors():
+    from ems import EmsErrorCode, EmsException
+    with pytest.raises(EmsException) as info, cuda._TorchCuda().translate():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert info.value.status_code() is EmsErrorCode.EMS_IO_ERROR
+    assert "illegal memory access" in info.value.message()

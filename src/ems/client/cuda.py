@@ -320,6 +320,10 @@ class DeviceOps(Protocol):
     def staging(self, device: Any, nbytes: int) -> Tensor:
         """A 1-D uint8 tensor of ``nbytes`` on ``device``."""
 
+    def upload(self, host: Tensor, device: Any) -> Tensor:
+        """``host`` (a small CPU tensor: indices) on ``device``, queued on the current
+        stream without waiting for the work queued before it."""
+
     def translate(self) -> contextlib.AbstractContextManager[None]:
         """Device errors raised inside the block become ``EMS_IO_ERROR``."""
 
@@ -361,6 +365,12 @@ class _TorchCuda:
     def staging(self, device: Any, nbytes: int) -> Tensor:
         with self.translate():
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=device)
+
+    def upload(self, host: Tensor, device: Any) -> Tensor:
+        # From pinned memory (torch's caching host allocator, which keeps the block
+        # until the copy is done): a copy from pageable memory may synchronize the
+        # stream first, which would stall the queue of chunks at every chunk.
+        return host.pin_memory().to(device, non_blocking=True)
 
     @contextlib.contextmanager
     def translate(self) -> Iterator[None]:

@@ -528,7 +528,7 @@ class V1Mover:
         per tensor one index op on the device, with the chunk's indices moved to the
         device once per layer group."""
         torch, layout = self._torch, self.layout
-        dev, unit = ln.device, layout.unit
+        dev, unit, up = ln.device, layout.unit, ln.ops.upload
         objs = torch.tensor(chunk.objects, dtype=torch.int64)
         soff = torch.tensor(chunk.stage_offsets, dtype=torch.int64)
         obj_stage = torch.full((len(self.sizes),), -1, dtype=torch.int64)
@@ -539,23 +539,25 @@ class V1Mover:
             cols = torch.tensor(group.tensors, dtype=torch.int64)
             ids = dest = None
             if tok.block_ids is not None:
-                ids = tok.block_ids.index_select(0, objs).to(dev)
-                dest = ((soff[:, None] + base.index_select(1, cols)) // unit).to(dev)
+                ids = up(tok.block_ids.index_select(0, objs), dev)
+                # [tensors, objects]: each tensor's row of destinations is contiguous
+                dest = up(((soff[:, None] + base.index_select(1, cols)) // unit)
+                          .t().contiguous(), dev)
             toks = None
             for k, ti in enumerate(group.tensors):
                 info = layout.tensors[ti]
                 if ids is not None and dest is not None and info.blocks is not None:
                     win = ln.window(layout.dtype, info.blocks.shape[1])
-                    self._copy_rows(info.blocks, ids, win, dest[:, k], save)
+                    self._copy_rows(info.blocks, ids, win, dest[k], save)
                     continue
                 if toks is None:
                     keep = obj_stage.index_select(0, tok.obj) >= 0
                     tobj, pos = tok.obj[keep], tok.pos[keep]
-                    toks = (tok.slots[keep].to(dev), tobj, pos,
+                    toks = (up(tok.slots[keep], dev), tobj, pos,
                             obj_stage.index_select(0, tobj))
                 slots, tobj, pos, tstage = toks
-                tdest = ((tstage + self.base[tobj, ti] + pos * info.token_bytes) // unit
-                         ).to(dev)
+                tdest = up((tstage + self.base[tobj, ti] + pos * info.token_bytes) // unit,
+                           dev)
                 self._copy_tokens(info, slots, ln.window(layout.dtype, info.width), tdest,
                                   save)
 
