@@ -401,10 +401,20 @@ def _short(name: str) -> str:
     return name
 
 
+def _names(data: dict[str, Any]) -> list[str]:
+    return [n for n in SYSTEMS.values()
+            if any(n in c["systems"] for t in data["traces"] for c in t["capacities"])]
+
+
 def table(data: dict[str, Any]) -> str:
-    """The replay's hit rates and speeds as two Markdown tables."""
-    names = [n for n in SYSTEMS.values()
-             if any(n in c["systems"] for t in data["traces"] for c in t["capacities"])]
+    """The replay's hit rates and speeds as two Markdown tables (the benchmarks page
+    shows the same, generated from the JSON by ``scripts/bench_tables.py``)."""
+    return hits_table(data) + "\n\n" + speed_table(data)
+
+
+def hits_table(data: dict[str, Any]) -> str:
+    """Per trace and capacity: the simulations' hit rates and each system's."""
+    names = _names(data)
     bb = data["block_bytes"]
     size = f"{bb // MiB} MiB" if bb >= MiB else f"{bb // KiB} KiB"
     head = " | ".join(f"{n} (× LRU)" for n in names)
@@ -428,10 +438,16 @@ def table(data: dict[str, Any]) -> str:
                          f"{c['lru_hit_rate']:.4f} | {c['belady_hit_rate']:.4f} | "
                          f"{c['infinite_hit_rate']:.4f} | {' | '.join(cells)} | "
                          f"{' / '.join(fills)} | {wrong} |")
-    lines += ["", "| trace | capacity | system | requests/s | request p50 / p99 ms | "
-              "lookup p50 / p99 µs | probe µs: lookup (exists + load) | 1-key 4 KiB load | "
-              "ratio | 1-key exists | copy of the bytes |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    return "\n".join(lines)
+
+
+def speed_table(data: dict[str, Any]) -> str:
+    """Per trace, capacity and system: requests/s, latencies and the probe."""
+    names = _names(data)
+    lines = ["| trace | capacity | system | requests/s | request p50 / p99 ms | "
+             "lookup p50 / p99 µs | probe µs: lookup (exists + load) | 1-key 4 KiB load | "
+             "ratio | 1-key exists | copy of the bytes |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in data["traces"]:
         for c in t["capacities"]:
             for n in names:
@@ -467,6 +483,7 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]  # other processes' CPU demand: latencies depend on it
     restore = procs.install_signal_handlers()
     work_dir = tempfile.mkdtemp(prefix="ems-bench-trace-")
     problems: list[dict[str, str]] = []
@@ -485,6 +502,7 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
     data = {"schema": 1, "date": started.isoformat(timespec="seconds"),
             "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
+            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
             "ems": commit(), "argv": list(argv), "block_bytes": values.block_bytes,
             "capacities": capacities, "systems": [SYSTEMS[k] for k in kinds],
             "probe_blocks": PROBE_BLOCKS, "traces": results, "problems": problems}
