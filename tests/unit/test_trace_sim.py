@@ -212,3 +212,30 @@ def test_lru_against_a_list_model_and_the_bounds(t, capacity):
     assert a.blocks == b.blocks == inf.blocks == t.blocks
     if capacity >= t.distinct:
         assert a.hits == b.hits == inf.hits
+
+
+# ------------------------------------------------------------------ the command line
+
+@pytest.mark.parametrize("args, words", [
+    (["--capacities", "0"], "--capacities"),
+    (["--capacities", "10,x"], "--capacities"),
+    (["--block-bytes", "1001"], "--block-bytes"),
+    (["--trace-systems", "redis"], "--trace-systems"),
+    (["--trace-requests", "0"], "--trace-requests"),
+])
+def test_bad_trace_options_are_refused_before_anything_runs(tmp_path, args, words):
+    from ems.bench.runner import main
+    path = write_trace(tmp_path / "t.jsonl", synthetic_lines(5))
+    with pytest.raises(SystemExit) as e:
+        main(["--trace", str(path), *args, "--json", str(tmp_path / "out.json")])
+    assert words in str(e.value)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_bad_trace_file_is_refused_with_its_line(tmp_path):
+    from ems.bench.runner import main
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"hash_ids": [0]}\n{"hash_ids": "x"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["--trace", str(path), "--json", str(tmp_path / "out.json")])
+    assert "line 2" in str(e.value) and "hash_ids" in str(e.value)
