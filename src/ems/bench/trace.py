@@ -149,10 +149,11 @@ class Replay:
 
 
 def _stats(system: EmsSystem) -> dict[str, Any]:
-    s = system.cc.statistics()
-    return {k: int(getattr(s, k)) for k in (
+    """The pool's counters (``PoolStatistics``, a frozen dataclass on both pools)."""
+    s = dataclasses.asdict(system.cc.statistics())
+    return {k: int(s[k]) for k in (
         "capacity_bytes", "used_bytes", "objects", "evictions", "leased_bytes", "reserved",
-        "pinned", "refused_full") if hasattr(s, k)}
+        "pinned", "refused_full") if k in s}
 
 
 def replay(system: EmsSystem, trace: Trace, values: BlockValues, capacity_bytes: int,
