@@ -10,8 +10,10 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
-(``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``)
-and ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``); ``docs/bench-gpu.json``
+(``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``),
+``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``) and ``docs/bench-trace.json`` /
+``docs/bench-trace-2mib.json`` (``ems bench --trace FILE ... --json PATH``; their tables
+are drawn by ``ems.bench.trace``, the same functions that print them); ``docs/bench-gpu.json``
 (``benchmarks/gpu_check.py --json``) where a GPU run was made: until then its block
 says so. A new run replaces the JSON; this script then replaces the tables, so the
 page never shows a figure that no JSON holds.
@@ -237,6 +239,29 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 
 
+def trace_run(d: dict[str, Any]) -> str:
+    m, ems = d["machine"], d["ems"]
+    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    argv = " ".join(a.rsplit("/", 1)[-1] if a.startswith("/") else a for a in d["argv"])
+    traces = ", ".join(f"{t['name']} ({t['requests']:,} requests, {t['blocks']:,} blocks, "
+                       f"{t['distinct']:,} distinct)" for t in d["traces"])
+    return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
+            f"`ems bench {argv}` ({d['elapsed_s']:.0f} s): {traces}; "
+            f"{m.get('cpus')} × {m.get('cpu', '?')} vCPU, {m.get('memory_gib', '?')} GiB, "
+            f"load average {d['loadavg']['start']:.1f} at the start, "
+            f"{d['loadavg']['end']:.1f} at the end (other processes on the machine).")
+
+
+def trace_hits(d: dict[str, Any]) -> str:
+    from ems.bench.trace import hits_table
+    return hits_table(d)
+
+
+def trace_speed(d: dict[str, Any]) -> str:
+    from ems.bench.trace import speed_table
+    return speed_table(d)
+
+
 def kv_events(d: dict[str, Any]) -> str:
     m = d["delay_ms"]
     return "\n".join([
@@ -342,6 +367,12 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "netns-cross-host": ("netns.json", netns_cross_host),
     "netns-latency": ("netns.json", netns_latency),
     "sglang-ttft": ("sglang_ttft.json", sglang_ttft),
+    "trace-run": ("bench-trace.json", trace_run),
+    "trace-hits": ("bench-trace.json", trace_hits),
+    "trace-speed": ("bench-trace.json", trace_speed),
+    "trace-2mib-run": ("bench-trace-2mib.json", trace_run),
+    "trace-2mib-hits": ("bench-trace-2mib.json", trace_hits),
+    "trace-2mib-speed": ("bench-trace-2mib.json", trace_speed),
 }
 #: blocks whose JSON may be absent (no run yet): rendered from None
 OPTIONAL: dict[str, tuple[str, Callable[[Optional[dict[str, Any]]], str]]] = {

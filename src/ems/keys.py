@@ -143,8 +143,20 @@ def validate_buffers(value_list: Any, n_keys: int
     if len(value_list) != n_keys:
         raise invalid(f"value_list must have one entry per key: len(value_list)="
                       f"{len(value_list)} != len(key_list)={n_keys}")
-    out, sizes = [], []
+    out: list[list[tuple[int, int]]] = []
+    sizes: list[int] = []
+    append, add_size = out.append, sizes.append
     for i, buffers in enumerate(value_list):
+        # The common case inline: one KvBufferWrapper of int fields > 0 per key (SGLang's
+        # pages, the V0 samples): 24 values ~20 -> ~11 us here. Other values as before.
+        if type(buffers) is list and len(buffers) == 1:
+            buf = buffers[0]
+            if type(buf) is KvBufferWrapper:
+                ptr, length = buf.data_ptr, buf.length
+                if type(ptr) is int and type(length) is int and ptr > 0 and length > 0:
+                    append([(ptr, length)])
+                    add_size(length)
+                    continue
         if not isinstance(buffers, (list, tuple)) or not buffers:
             raise invalid(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
         regions, total = [], 0
@@ -170,8 +182,8 @@ def validate_buffers(value_list: Any, n_keys: int
                               f"{length!r}")
             regions.append((ptr, length))
             total += length
-        out.append(regions)
-        sizes.append(total)
+        append(regions)
+        add_size(total)
     return out, sizes
 
 

