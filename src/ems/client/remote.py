@@ -543,7 +543,7 @@ class RemoteTransport(Transport):
         except EmsException:
             self._post_list(session, reply.tokens, m.Release)
             raise
-        return session, reply  # type: ignore[return-value]
+        return session, reply
 
     def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
                option: Optional[CcKvOption] = None) -> int:

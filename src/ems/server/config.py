@@ -582,10 +582,11 @@ def _from_env(var: str, key: str, text: str) -> Any:
 def read_toml(path: str) -> dict[str, Any]:
     """Parse a TOML file (``tomllib``, or ``tomli`` before Python 3.11)."""
     try:
-        import tomllib  # type: ignore[import-not-found]
+        import tomllib
     except ImportError:  # Python < 3.11
         try:
-            import tomli as tomllib  # type: ignore[import-not-found,no-redef]
+            # (no-redef only where tomli is installed; unused-ignore where it is not)
+            import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
         except ImportError:
             raise invalid(f"reading {path} needs Python 3.11+ or the tomli package") from None
     try:
