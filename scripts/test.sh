@@ -5,7 +5,8 @@
 # against their JSON, then `mkdocs build --strict`: a broken link or a page missing from
 # the nav fails it), then pytest (unit,
 # integration and the fault suite; those start and stop their own ems-server daemons
-# in temp dirs). Any error fails the run. Extra arguments go to pytest.
+# in temp dirs), all of it: --run-slow includes the tests a plain `pytest` leaves out
+# (marked slow or engine). Any error fails the run. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -20,4 +21,4 @@ NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict --site-dir "$site" >"$site.
   { cat "$site.log"; rm -rf "$site" "$site.log"; exit 1; }
 rm -rf "$site" "$site.log"
 echo "docs: mkdocs build --strict passed"
-exec "$PY" -m pytest -p no:cacheprovider "$@"
+exec "$PY" -m pytest -p no:cacheprovider --run-slow "$@"

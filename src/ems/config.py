@@ -93,7 +93,7 @@ class CcConfig:
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._fields() == other._fields()  # type: ignore[attr-defined]
+        return type(other) is type(self) and self._fields() == other._fields()
 
     __hash__ = None  # type: ignore[assignment]
 

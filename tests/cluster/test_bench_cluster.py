@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def test_bench_quick_cross_host_rows(tmp_path):
     pytest.importorskip("numpy")

@@ -273,6 +273,7 @@ def test_a_hung_node_misses_within_the_deadline_then_is_skipped(make_cluster, ma
         c.kill(victim, signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_with_a_replica_keys_hit_again_after_failover(make_cluster, make_host):
     c = make_cluster(nodes=3, replicas=1, node_timeout_ms=1000)
     a = make_host(c.seed)

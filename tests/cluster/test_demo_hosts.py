@@ -11,6 +11,8 @@ import pytest
 
 from ems.testing.process import terminate
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)  # two demo instances and a cluster: ~110 s on a loaded 2-core VM

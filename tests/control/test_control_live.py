@@ -17,7 +17,7 @@ from ems.client.remote import RemoteTransport
 from ems.errors import EmsErrorCode, EmsException
 from ems.keys import v0_storage_keys as storage
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk_client.py")
 SIZE = 64 << 10

@@ -17,7 +17,7 @@ from support.itest_support import transport_load, transport_save
 
 from ems.keys import v0_storage_keys as storage
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SIZE = 64 << 10

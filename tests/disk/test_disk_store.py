@@ -163,6 +163,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kill_9_loop_never_serves_wrong_bytes(tmp_path):
     rng = random.Random(5)
     start = 0

@@ -97,6 +97,7 @@ def _load_checked(cc, keys, size, timeout_ms=10000, batch=32) -> tuple[int, int]
     return hits, wrong
 
 
+@pytest.mark.slow
 def test_kill_9_in_the_middle_of_saves_never_serves_a_wrong_byte(make_server, client_env,
                                                                   tmp_path, figures):
     """A loop of kill -9 at random moments while saves are in flight, each followed by

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 #: 3 prefixes of 256 tokens, 32 KiB per block: 1.9 MiB of KV through the daemon's least
 #: pool, 1 MiB; the prefixes' requests interleave, so shared memory alone never hits

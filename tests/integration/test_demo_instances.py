@@ -14,7 +14,7 @@ from ems.testing import run_server
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SMALL = ["--prefixes", "2", "--requests", "2", "--prefix-tokens", "64", "--suffix-tokens",
          "20", "--decode-tokens", "3", "--layers", "2", "--hidden", "64", "--vocab", "256",

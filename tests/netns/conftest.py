@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/netns/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.slow)  # a bed of namespaces (the fast loop leaves it out)
 
 
 @pytest.fixture(scope="module")

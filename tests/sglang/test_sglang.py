@@ -38,7 +38,7 @@ import pytest
 
 from ems.testing import run_server
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.sglang, pytest.mark.engine, pytest.mark.timeout(1500)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))

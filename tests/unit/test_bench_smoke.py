@@ -21,6 +21,7 @@ from ems.client import native
 LIMITS = (("copy-nt",) if native.available() else ()) + ("copy-glibc",)
 
 
+@pytest.mark.slow
 def test_bench_quick_embedded_only(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(

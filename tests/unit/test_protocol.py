@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import HEADER, MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode
 from ems.protocol import messages as m
+from ems.protocol.framing import DecodeLimitExceeded
 from ems.protocol.messages import auth_mac
 
 u64 = st.integers(0, (1 << 64) - 1)
@@ -181,6 +182,32 @@ def test_malformed_bodies() -> None:
     assert_protocol_error(frame(msgpack.packb([17, 0])), match="Ping.rid")  # rid 0
     assert_protocol_error(frame(msgpack.packb([10, 1, ["a", "b"], [1]])), match="equal")
     assert_protocol_error(frame(msgpack.packb([17, 1, 2])), match="fields")
+
+
+@pytest.mark.parametrize("name, body", [
+    ("max_array_len", [0] * 9), ("max_str_len", "s" * 9), ("max_bin_len", b"b" * 9),
+    ("max_map_len", {str(i): i for i in range(9)}),
+    ("max_ext_len", msgpack.ExtType(1, b"e" * 9))])
+def test_a_body_past_an_unpack_limit_is_its_own_protocol_error(name, body) -> None:
+    """Each of msgpack's bounds raises DecodeLimitExceeded (the daemon's decode_limits
+    counter), by the wording framing reads; junk that msgpack also answers with a plain
+    ValueError (a truncated body, an int map key) stays a plain protocol error."""
+    limits = dict.fromkeys(("max_array_len", "max_str_len", "max_bin_len", "max_map_len",
+                            "max_ext_len"), 100)
+    limits[name] = 8
+    for both in (False, True):  # the daemon's five explicit keywords, or a ** dict
+        d = FrameDecoder()
+        d.unpack_limits = limits if both else {name: 8}
+        with pytest.raises(DecodeLimitExceeded) as info:
+            d.bodies(frame(msgpack.packb([17, body])))
+        assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
+        assert name in info.value.message()
+    for junk in (msgpack.packb([17, 1])[:-1], msgpack.packb({1: 2})):
+        d = FrameDecoder()
+        d.unpack_limits = limits
+        with pytest.raises(EmsException) as plain:
+            d.bodies(frame(junk))
+        assert type(plain.value) is EmsException
 
 
 def test_a_failed_decoder_stays_failed() -> None:

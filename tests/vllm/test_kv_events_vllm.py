@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from test_vllm import HERE, REPO, venv_python  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.timeout(300)]
 
 
 def test_vllms_decoder_reads_every_ems_event(venv_python, tmp_path):  # noqa: F811

@@ -31,7 +31,7 @@ from test_vllm import BS, HERE, REPO, _run, _tail, venv_python  # noqa: F401 (a 
 
 from ems.testing import run_server
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.timeout(900)]
 
 WINDOW = 64
 

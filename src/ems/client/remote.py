@@ -115,11 +115,9 @@ def _chunks(n: int, max_keys: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` slices of a save's ``n`` keys, ``max_keys`` each (the daemon's
     limit per request); each is copied by one call of the request's mover.
 
-    Smaller chunks, to overlap more of the Reserve with the copy, were measured and
-    not kept: a first chunk of 4 MiB, each next twice as large, gained V0 2-3% (64 x 1
-    MiB, two A/Bs in one process) but cost V1 15-23% (4096 tokens, block 128: 16.79 ->
-    14.30 GB/s, block 16: 11.74 -> 9.02; a first quarter alone: 16.47 / 9.77): the V1
-    mover plans and sorts a call's runs as a whole, so more calls copy slower."""
+    Not smaller, though smaller slices would overlap more of the Reserve with the copy:
+    the V1 mover plans and sorts a call's runs as a whole, so more calls copy slower
+    (slices growing from 4 MiB cost V1 15-23% and gained V0 2-3%)."""
     return [(lo, min(n, lo + max_keys)) for lo in range(0, n, max_keys)]
 
 
@@ -553,7 +551,7 @@ class RemoteTransport(Transport):
         except EmsException:
             self._post_list(session, reply.tokens, m.Release)
             raise
-        return session, reply  # type: ignore[return-value]
+        return session, reply
 
     def exists(self, keys: Sequence[str], sizes: Optional[Sequence[int]],
                option: Optional[CcKvOption] = None) -> int:

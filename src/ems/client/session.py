@@ -217,7 +217,7 @@ class Session:
             raise fresh(reply)
         if isinstance(reply, m.Error):
             raise reply.exception()
-        return reply  # type: ignore[no-any-return]
+        return reply
 
     def abandon(self, pending: Pending) -> None:
         """Nobody will wait for ``pending``: its reply is undone (now, if it came

@@ -7,7 +7,8 @@ and pool memory, the options) and owns how it does it::
     ContextCaching.save --> Transport.save(req, task) --> per key: stored?
                               embedded: reserve -> copy -> commit   (two_phase_save)
                               daemon:   small: cut from the lease -> copy -> Put
-                                        large: Reserve -> copy -> Commit (two_phase_save)
+                                        large: Reserve -> copy -> Commit, in slices
+                                               (the next Reserve in flight during a copy)
     ContextCaching.load --> Transport.load(req, task) --> leading keys loaded
                               pin the leading hits -> copy -> unpin
 
@@ -19,8 +20,10 @@ that waits for replies to poll for them first (a synchronous call in its caller'
 thread, ``EMS_SPIN_US``); asynchronous requests never spin.
 
 :func:`two_phase_save` is the save that every pool can do with three operations
-(reserve, commit, abort); the embedded pool saves this way, the daemon for saves too
-large for its lease.
+(reserve, commit, abort); the embedded pool saves this way. The daemon's transport
+(``ems.client.remote``) does its own two phases for saves too large for its lease:
+sliced by the daemon's key limit, one slice's Reserve overlapping the previous one's
+copy, which a single reserve of every key cannot do.
 """
 
 from __future__ import annotations

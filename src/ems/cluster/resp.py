@@ -1,9 +1,10 @@
 """A thin RESP2 client side: commands out, replies in, values straight into given memory.
 
 The stock clients build a Python ``bytes`` per value (and copy it again into the
-caller's buffer); on this host that caps a pipelined GET at 0.6-0.9 GB/s, while
+caller's buffer); on a 2-vCPU VM that capped a pipelined GET at 0.6-0.9 GB/s, while
 reading each bulk value with ``recv_into`` into memory the caller owns ran 2.3-3.0
-GB/s (``../shared/notes/peers.md``). So:
+GB/s (``ems bench --systems cluster`` measures this path beside valkey-py:
+docs/benchmarks.md). So:
 
 * :func:`command` encodes one command (small arguments) as ``bytes``; a value to
   store is not encoded: :func:`set_parts` gives the buffers of a SET (the command's

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "NOTHING",
     "PROTOCOL_VERSION",
+    "DecodeLimitExceeded",
     "FrameDecoder",
     "encode",
     "encode_wire",
@@ -62,6 +63,24 @@ MAX_FRAME_BYTES = 32 << 20
 
 def protocol_error(message: str) -> EmsException:
     return EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, message)
+
+
+class DecodeLimitExceeded(EmsException):
+    """A body past the decoder's :attr:`~FrameDecoder.unpack_limits` (an
+    ``EMS_PROTOCOL_ERROR`` like any bad body; its own type so that the daemon counts it
+    as a refusal by a bound, not as junk)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EmsErrorCode.EMS_PROTOCOL_ERROR, message)
+
+
+def _past_a_limit(exc: Exception) -> bool:
+    """Whether msgpack refused a body for one of the ``max_*_len`` bounds. msgpack (1.0 to
+    1.2) gives that refusal no type of its own: a plain ``ValueError`` ("N exceeds
+    max_str_len(M)"), as for a truncated body or a non-str map key. Its text is read
+    here, beside the one call, and ``tests/unit/test_protocol.py`` pins it for every
+    bound, so an msgpack that words it otherwise fails that test instead of a counter."""
+    return type(exc) is ValueError and " exceeds max_" in str(exc)
 
 
 def encode(message: Message, version: int = PROTOCOL_VERSION) -> bytes:
@@ -222,6 +241,8 @@ class FrameDecoder:
                                 max_bin_len=l5[2], max_map_len=l5[3], max_ext_len=l5[4])
             return _unpackb(raw, **self._limits) if self._limits else _unpackb(raw)
         except Exception as exc:  # noqa: BLE001 - msgpack raises many kinds for junk
+            if _past_a_limit(exc):
+                raise DecodeLimitExceeded(f"malformed frame body: {exc}") from None
             raise protocol_error(f"malformed frame body: {type(exc).__name__}: {exc}") from None
 
     def _bad_header(self, magic: bytes, version: int, flags: int, length: int) -> None:

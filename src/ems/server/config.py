@@ -40,7 +40,7 @@ limits (:class:`Limits`) ``--limit NAME=VALUE`` ``[limits]`` NAME = V  -
 =====================  ======================  ======================  ====================
 
 With ``control`` set, tenants come from ``ems-control`` (``ems.server.control_sync``,
-the README's control-plane section) and the tenants file must not be given; ``metrics_addr``
+docs/control-plane.md) and the tenants file must not be given; ``metrics_addr``
 (``127.0.0.1:9464``) turns on the Prometheus exporter (``ems.server.metrics``);
 ``kv_events`` (``tcp://HOST:PORT``, off by default) publishes what the pool stores and
 evicts in vLLM's KV-events format (``ems.server.kv_events``; needs ``pyzmq``:
@@ -48,7 +48,7 @@ evicts in vLLM's KV-events format (``ems.server.kv_events``; needs ``pyzmq``:
 
 The cluster: ``valkey://[user:password@]HOST:PORT[,HOST:PORT...]`` (``valkeys://``:
 TLS) joins the daemon to a Valkey Cluster that holds the pool shared by every host
-(``ems.server.cluster_tier``, the README's cluster section). Its credentials stay in the daemon;
+(``ems.server.cluster_tier``, docs/tiers/cluster.md). Its credentials stay in the daemon;
 prefer ``EMS_CLUSTER_PASSWORD`` to a password in the URL (which ``ps`` shows).
 
 The busy-poll window: after serving a request, the event loop polls without sleeping
@@ -582,10 +582,11 @@ def _from_env(var: str, key: str, text: str) -> Any:
 def read_toml(path: str) -> dict[str, Any]:
     """Parse a TOML file (``tomllib``, or ``tomli`` before Python 3.11)."""
     try:
-        import tomllib  # type: ignore[import-not-found]
+        import tomllib
     except ImportError:  # Python < 3.11
         try:
-            import tomli as tomllib  # type: ignore[import-not-found,no-redef]
+            # (no-redef only where tomli is installed; unused-ignore where it is not)
+            import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
         except ImportError:
             raise invalid(f"reading {path} needs Python 3.11+ or the tomli package") from None
     try:

@@ -56,6 +56,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.protocol import PROTOCOL_VERSION
 from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
+from ems.protocol.framing import DecodeLimitExceeded
 from ems.server.config import Limits, ServerConfig
 from ems.server.handlers import Handlers
 from ems.server.listener import Listener, ListenError, RateLimitedLog
@@ -431,9 +432,10 @@ class Daemon:
                                    f"frames, more than max_buffered_bytes "
                                    f"({self.limits.max_buffered_bytes}); this connection's "
                                    f"{held} bytes are dropped")
+        except DecodeLimitExceeded as exc:  # a body past _unpack_limits
+            self.refused["decode_limits"] += 1
+            self._fail(conn, exc)
         except EmsException as exc:
-            if "exceeds max_" in exc.message():  # msgpack's decode bound (_unpack_limits)
-                self.refused["decode_limits"] += 1
             self._fail(conn, exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the daemon
             logger.exception("ems-server: internal error on %s", conn)

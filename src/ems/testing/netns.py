@@ -125,7 +125,7 @@ def in_netns(name: str, fn: Callable[[], T]) -> T:
     t.join()
     if "error" in box:
         raise box["error"]
-    return box["result"]  # type: ignore[no-any-return]
+    return box["result"]
 
 
 class NetBed:
