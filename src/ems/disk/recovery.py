@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ems.disk.index import DiskIndex, Location
+from ems.disk.io import LOCAL, FileSystem
 from ems.disk.records import (
     ALIGN,
     HEADER_BYTES,
@@ -86,53 +87,55 @@ class _File:
     size: int
 
 
-def _region_files(root: str) -> dict[int, _File]:
+def _region_files(fs: FileSystem, root: str) -> dict[int, _File]:
     found: dict[int, _File] = {}
-    for d in os.scandir(root):
-        if not d.is_dir(follow_symlinks=False) or not d.name.startswith("t"):
+    for d in fs.list_dir(root):
+        if not d.is_dir or not d.name.startswith("t"):
             continue
         try:
             tenant = bytes.fromhex(d.name[1:]).decode()
         except ValueError:
             continue
-        for f in os.scandir(d.path):
-            if not f.name.endswith(_SUFFIX):
+        for f in fs.list_dir(os.path.join(root, d.name)):
+            if not f.is_file or not f.name.endswith(_SUFFIX):
                 continue
             try:
                 rid = int(f.name[:-len(_SUFFIX)], 16)
-                size = f.stat(follow_symlinks=False).st_size
-            except (ValueError, OSError):
+            except ValueError:
                 continue
-            found[rid] = _File(tenant, rid, size)
+            found[rid] = _File(tenant, rid, f.size)
     return found
 
 
-def _load_checkpoint(root: str) -> Optional[Checkpoint]:
+def _load_checkpoint(fs: FileSystem, root: str) -> Optional[Checkpoint]:
     try:
-        with open(os.path.join(root, CHECKPOINT), "rb") as f:
-            data = f.read()
+        fd = fs.open_file(os.path.join(root, CHECKPOINT))
     except FileNotFoundError:
         return None
+    try:
+        data = fs.read_bytes(fd, fs.file_size(fd), 0)
+    finally:
+        fs.close(fd)
     ck = decode_checkpoint(data)
     if ck is None:
         log.warning("disk store %s: the checkpoint is damaged; scanning every region", root)
     return ck
 
 
-def scan_region(path: str, tenant: str, start: int,
+def scan_region(fs: FileSystem, path: str, tenant: str, start: int,
                 damaged: list[int]) -> Iterator[tuple[RecordHeader, int]]:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start`` on:
     (header, offset). A header that parses but whose value fails its checksum or runs
     past the end of the file is counted in ``damaged[0]``."""
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
+    fd = fs.open_file(path)
+    try:
+        size = fs.file_size(fd)
         buf = b""
         buf_at = start
         pos = start
         while pos + HEADER_BYTES <= size:
             if pos + HEADER_BYTES > buf_at + len(buf):
-                buf = os.pread(fd, SCAN_READ_BYTES, pos)
+                buf = fs.read_bytes(fd, SCAN_READ_BYTES, pos)
                 buf_at = pos
             view = memoryview(buf)
             at = pos - buf_at
@@ -146,7 +149,7 @@ def scan_region(path: str, tenant: str, start: int,
                 pos += ALIGN
                 continue
             if end > buf_at + len(buf):
-                buf = os.pread(fd, max(SCAN_READ_BYTES, end - pos), pos)
+                buf = fs.read_bytes(fd, max(SCAN_READ_BYTES, end - pos), pos)
                 buf_at = pos
                 view = memoryview(buf)
                 at = 0
@@ -157,12 +160,15 @@ def scan_region(path: str, tenant: str, start: int,
                 continue
             yield h, pos
             pos += record_span(h.value_len)
+    finally:
+        fs.close(fd)
 
 
-def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> Recovered:
+def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
+            fs: FileSystem = LOCAL) -> Recovered:
     """The index of the store in ``root`` (see the module's state machine)."""
-    ck = _load_checkpoint(root)
-    files = _region_files(root)
+    ck = _load_checkpoint(fs, root)
+    files = _region_files(fs, root)
     index = DiskIndex(capacity_bytes, region_bytes)
     scan_from: dict[int, int] = {}
     if ck is not None:
@@ -191,8 +197,8 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> R
             if f.size <= start:
                 continue
             try:
-                for h, offset in scan_region(region_path(root, f.tenant, rid), f.tenant,
-                                             start, damaged):
+                for h, offset in scan_region(fs, region_path(root, f.tenant, rid),
+                                             f.tenant, start, damaged):
                     scanned += 1
                     next_seq = max(next_seq, h.seq + 1)
                     index.restore_entry(f.tenant, h.key,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import enum
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -47,7 +46,7 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
-from ems.disk.io import RegionFile, probe_direct
+from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct
 from ems.disk.records import (
     HEADER_BYTES,
     MAX_NAME_BYTES,
@@ -119,9 +118,11 @@ class _Scratch(threading.local):
 class DiskStore:
     """See the module docstring. Construct, :meth:`open`, use, :meth:`close`."""
 
-    def __init__(self, settings: DiskSettings, *, clock: Clock = time.monotonic) -> None:
+    def __init__(self, settings: DiskSettings, *, clock: Clock = time.monotonic,
+                 fs: FileSystem = LOCAL) -> None:
         self.settings = settings
         self._clock = clock
+        self._fs = fs
         self._root = os.path.abspath(settings.path)
         self._lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
@@ -161,20 +162,16 @@ class DiskStore:
             raise RuntimeError("DiskStore.open() called twice")
         self._opened = True
         try:
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
-            os.chmod(self._root, 0o700)
-            fd = os.open(os.path.join(self._root, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC,
-                         0o600)
+            self._make_root()
+            self._fs.make_private(self._root)
+            fd = self._fs.lock(os.path.join(self._root, "lock"))
+        except BlockingIOError:
+            raise DiskStoreLocked(f"{self._root} is already open by another disk store "
+                                  "(one store per directory)") from None
         except OSError as exc:
             self._turn_off(f"cannot open {self._root}: {exc}")
             self._recovered.set()
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DiskStoreLocked(f"{self._root} is already open by another disk store "
-                                  "(one store per directory)") from None
         self._lock_fd = fd
         try:
             clean = self._prepare()
@@ -191,26 +188,39 @@ class DiskStore:
     def _prepare(self) -> bool:
         """Probe the directory (O_DIRECT, size) and take away the clean-shutdown marker
         (before the first new write: a crash from now on scans); True if it was there."""
-        self._dir_ino = os.stat(self._root).st_ino
-        self._direct = probe_direct(self._root)
-        st = os.statvfs(self._root)
-        if self.settings.capacity_bytes > st.f_blocks * st.f_frsize:
+        self._dir_ino = self._fs.dir_id(self._root)
+        self._direct = probe_direct(self._fs, self._root)
+        total = self._fs.total_bytes(self._root)
+        if self.settings.capacity_bytes > total:
             log.warning("disk store %s: capacity %d bytes is larger than the filesystem "
                         "(%d bytes); a full filesystem stops admission (ENOSPC)", self._root,
-                        self.settings.capacity_bytes, st.f_blocks * st.f_frsize)
+                        self.settings.capacity_bytes, total)
         if self.settings.write_budget_bytes_per_day is not None:
             self._tokens = self._burst()
-        clean = os.path.exists(os.path.join(self._root, CLEAN_MARKER))
+        clean = self._fs.exists(os.path.join(self._root, CLEAN_MARKER))
         if clean:
-            os.unlink(os.path.join(self._root, CLEAN_MARKER))
-            self._fsync_dir(self._root)
+            self._fs.unlink(os.path.join(self._root, CLEAN_MARKER))
+            self._fs.sync_dir(self._root)
         return clean
+
+    def _make_root(self) -> None:
+        """The store's directory and any missing parents (``mkdir -p``)."""
+        missing = []
+        at = self._root
+        while not self._fs.exists(at):
+            missing.append(at)
+            parent = os.path.dirname(at)
+            if parent == at:
+                break
+            at = parent
+        for path in reversed(missing):
+            self._fs.make_dir(path)
 
     def _recover(self, clean: bool) -> None:
         t0 = time.monotonic()
         try:
             got = recover(self._root, self.settings.capacity_bytes, self.settings.region_bytes,
-                          clean)
+                          clean, self._fs)
         except OSError as exc:
             self._turn_off(f"recovery of {self._root} failed: {exc}")
             self._recovered.set()
@@ -272,10 +282,13 @@ class DiskStore:
             ok = self._checkpoint(final=True)
             if ok and clean:
                 try:
-                    with open(os.path.join(self._root, CLEAN_MARKER), "wb",
-                              opener=_private) as marker:
-                        os.fsync(marker.fileno())
-                    self._fsync_dir(self._root)
+                    marker = self._fs.open_file(os.path.join(self._root, CLEAN_MARKER),
+                                                create=True)
+                    try:
+                        self._fs.sync_file(marker)
+                    finally:
+                        self._fs.close(marker)
+                    self._fs.sync_dir(self._root)
                 except OSError as exc:
                     log.warning("disk store %s: no clean-shutdown marker: %s", self._root, exc)
         for t in self._threads:
@@ -288,7 +301,7 @@ class DiskStore:
                     f.close()
             self._files.clear()
             if self._lock_fd >= 0:
-                os.close(self._lock_fd)
+                self._fs.close(self._lock_fd)
                 self._lock_fd = -1
 
     def _turn_off(self, why: str) -> None:
@@ -305,7 +318,7 @@ class DiskStore:
     def _alive(self) -> bool:
         """Whether the directory is still the one opened (removed => off)."""
         try:
-            if os.stat(self._root).st_ino == self._dir_ino:
+            if self._fs.dir_id(self._root) == self._dir_ino:
                 return True
             why = "the directory was replaced"
         except OSError as exc:
@@ -564,8 +577,8 @@ class DiskStore:
         f = self._files.get(region)
         if f is None:
             if create:
-                os.makedirs(tenant_dir(self._root, tenant), mode=0o700, exist_ok=True)
-            f = RegionFile(region_path(self._root, tenant, region), create=create,
+                self._fs.make_dir(tenant_dir(self._root, tenant))
+            f = RegionFile(self._fs, region_path(self._root, tenant, region), create=create,
                            direct=self._direct, chunk_bytes=self.settings.chunk_bytes,
                            io_delay_s=self.settings.io_delay_s)
             self._files[region] = f
@@ -595,11 +608,10 @@ class DiskStore:
             self._c["regions_evicted"] += 1
         return paths
 
-    @staticmethod
-    def _delete_files(paths: list[str]) -> None:
+    def _delete_files(self, paths: list[str]) -> None:
         for p in paths:
             try:
-                os.unlink(p)
+                self._fs.unlink(p)
             except FileNotFoundError:
                 pass
 
@@ -638,12 +650,9 @@ class DiskStore:
             data = encode_checkpoint(Checkpoint(next_seq, next_region, regions, tenants))
             path = os.path.join(self._root, CHECKPOINT)
             try:
-                with open(path + ".tmp", "wb", opener=_private) as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(path + ".tmp", path)
-                self._fsync_dir(self._root)
+                self._write_file(path + ".tmp", data)
+                self._fs.rename(path + ".tmp", path)
+                self._fs.sync_dir(self._root)
             except OSError as exc:
                 self._turn_off(f"checkpoint failed: {exc}")
                 return False
@@ -652,13 +661,17 @@ class DiskStore:
                 self._last_checkpoint = self._clock()
             return True
 
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    def _write_file(self, path: str, data: bytes) -> None:
+        """``path`` holds ``data``, durably (its name is not: the caller renames it)."""
+        fd = self._fs.open_file(path, create=True, truncate=True)
         try:
-            os.fsync(fd)
+            view = memoryview(data)
+            at = 0
+            while at < len(data):
+                at += self._fs.write_at(fd, [view[at:]], at)
+            self._fs.sync_file(fd)
         finally:
-            os.close(fd)
+            self._fs.close(fd)
 
     # --- statistics ------------------------------------------------------------------
 
@@ -697,8 +710,4 @@ class DiskStore:
                 direct_io=self._direct, direct_writes=c["direct_writes"],
                 buffered_writes=c["buffered_writes"], direct_reads=c["direct_reads"],
                 buffered_reads=c["buffered_reads"])
-
-
-def _private(path: str, flags: int) -> int:
-    return os.open(path, flags, 0o600)
 
