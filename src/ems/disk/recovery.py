@@ -7,8 +7,10 @@
                no
                v
          load checkpoint --> drop entries of regions whose file is gone
-               |
-               v
+               |             --> remove region files it does not name whose id is
+               |                 below its next region id (stale: evicted before it,
+               |                 back after a power cut because the removal was not
+               v                 durable yet)
          scan each region from the checkpoint's scan_from offset (0 for a region
          the checkpoint does not know): a header whose CRC, tenant or value checksum
          fails is skipped a block at a time; the newest seq of a key wins --------> ok
@@ -78,6 +80,11 @@ class Recovered:
     records_scanned: int
     scan_skipped: bool
     checkpoint_loaded: bool
+    #: regions in which the scan found records (not known to be durable yet)
+    scanned_regions: frozenset[int] = frozenset()
+    #: region files removed as stale: evicted before the checkpoint, their removal
+    #: not durable when the power went
+    stale_regions_removed: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,9 +185,16 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
             if f is not None and f.tenant == r.tenant:
                 index.restore_region(f.tenant, f.region, round_up(f.size))
                 scan_from[f.region] = r.scan_from
+    stale = 0
     for rid in sorted(files):
         if rid not in scan_from:
             f = files[rid]
+            if ck is not None and rid < ck.next_region:
+                # made before the checkpoint and not in it: evicted before it; the file
+                # is back because its removal was not durable yet (a power cut)
+                fs.unlink(region_path(root, f.tenant, rid))
+                stale += 1
+                continue
             index.restore_region(f.tenant, rid, round_up(f.size))
             scan_from[rid] = 0
     next_seq = 1
@@ -191,6 +205,7 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
     skip = clean and ck is not None
     damaged = [0]
     scanned = 0
+    scanned_regions = set()
     if not skip:
         for rid, start in scan_from.items():
             f = files[rid]
@@ -200,9 +215,11 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
                 for h, offset in scan_region(fs, region_path(root, f.tenant, rid),
                                              f.tenant, start, damaged):
                     scanned += 1
+                    scanned_regions.add(rid)
                     next_seq = max(next_seq, h.seq + 1)
                     index.restore_entry(f.tenant, h.key,
                                         Location(rid, offset, h.value_len, h.seq))
             except FileNotFoundError:
                 index.drop_region(rid)
-    return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None)
+    return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None,
+                     frozenset(scanned_regions), stale)

@@ -13,9 +13,21 @@ Guarantees:
   and the XXH3-64 of header and value after the bytes landed, and says ``DAMAGED``
   otherwise.
 * Every object on disk at the last checkpoint is found after a restart (unless evicted
-  since): a checkpoint first ``fdatasync``\\ s the regions written since the previous one,
-  then writes the index to a temporary file, ``fsync``\\ s it, renames it over the last
-  and ``fsync``\\ s the directory.
+  since), after a power cut too, by the letter of fsync(2) (the contract, point by
+  point, is in ``docs/tiers/disk.md``, "After a power cut"). A checkpoint::
+
+      fdatasync  every region written since the last one (after a scan recovery: every
+                 region the scan found records in)
+      fsync      every directory whose names changed since: a tenant's on a region
+                 created or removed, DIR on a tenant directory made (after a scan
+                 recovery: all of them)
+      write      index.ckpt.tmp, fsync it
+      rename     index.ckpt.tmp -> index.ckpt, fsync DIR      (complete from here)
+
+  Everything a checkpoint names is durable, names included, before its rename is
+  issued: a file system that makes the rename durable early keeps the promise too.
+  The clean marker is made (file and name) only after the last checkpoint of a
+  close is complete.
 * A damaged or truncated record is a miss (``DAMAGED``), dropped from the index and
   counted; the store still opens.
 
@@ -133,7 +145,8 @@ class DiskStore:
         self._opened = False
         self._index = DiskIndex(settings.capacity_bytes, settings.region_bytes)
         self._files: dict[int, RegionFile] = {}
-        self._dirty: set[int] = set()
+        self._dirty: set[int] = set()  # regions written since the last checkpoint
+        self._dirty_dirs: set[str] = set()  # directories whose names changed since
         self._next_seq = 1
         self._in_flight = 0
         self._lock_fd = -1
@@ -214,7 +227,8 @@ class DiskStore:
                 break
             at = parent
         for path in reversed(missing):
-            self._fs.make_dir(path)
+            if self._fs.make_dir(path):
+                self._fs.sync_dir(os.path.dirname(path))
 
     def _recover(self, clean: bool) -> None:
         t0 = time.monotonic()
@@ -229,6 +243,15 @@ class DiskStore:
             if self._state is DiskState.RECOVERING:
                 self._index = got.index
                 self._next_seq = got.next_seq
+                if not got.scan_skipped or got.stale_regions_removed:
+                    # after a crash (kill -9 keeps the page cache) what the scan found
+                    # may not be durable, nor may the names of its files, nor the
+                    # removals of stale regions: the first checkpoint makes them so
+                    # before it names them
+                    self._dirty |= got.scanned_regions
+                    self._dirty_dirs.add(self._root)
+                    self._dirty_dirs |= {tenant_dir(self._root, t)
+                                         for t, _r, _at in got.index.scan_from()}
                 self._c["records_recovered"] = got.records_recovered
                 self._c["records_dropped_damaged"] += got.records_dropped_damaged
                 self._c["records_scanned"] = got.records_scanned
@@ -576,12 +599,14 @@ class DiskStore:
         """The region's open file, one more user (the caller holds the lock or not)."""
         f = self._files.get(region)
         if f is None:
-            if create:
-                self._fs.make_dir(tenant_dir(self._root, tenant))
+            if create and self._fs.make_dir(tenant_dir(self._root, tenant)):
+                self._dirty_dirs.add(self._root)
             f = RegionFile(self._fs, region_path(self._root, tenant, region), create=create,
                            direct=self._direct, chunk_bytes=self.settings.chunk_bytes,
                            io_delay_s=self.settings.io_delay_s)
             self._files[region] = f
+            if create:
+                self._dirty_dirs.add(tenant_dir(self._root, tenant))
         f.users += 1
         return f
 
@@ -609,11 +634,16 @@ class DiskStore:
         return paths
 
     def _delete_files(self, paths: list[str]) -> None:
+        """Remove evicted regions' files; the next checkpoint syncs their directories
+        (marked after the unlink: a checkpoint that syncs the directory earlier would
+        not make this removal durable)."""
         for p in paths:
             try:
                 self._fs.unlink(p)
             except FileNotFoundError:
-                pass
+                continue
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(p))
 
     # --- checkpoints -----------------------------------------------------------------
 
@@ -627,20 +657,26 @@ class DiskStore:
             with self._lock:
                 if not final and self._state is not DiskState.OK:
                     return False
-                files = [self._files[r] for r in self._dirty if r in self._files]
-                for f in files:
-                    f.users += 1
+                files, failed = self._dirty_files()
                 dirty, self._dirty = self._dirty, set()
+                dirs, self._dirty_dirs = self._dirty_dirs, set()
                 regions = [CheckpointRegion(t, r, at) for t, r, at in self._index.scan_from()]
                 snap = {t: self._index.entries(t) for t in self._index.tenants()}
                 next_seq = self._next_seq
                 next_region = self._index.next_region
             try:
+                if failed is not None:
+                    raise failed
                 for f in files:
                     f.fdatasync()
+                # tenant directories before the root: any order is correct (both come
+                # before the rename), this one reads as the tree is built
+                for d in sorted(dirs, key=len, reverse=True):
+                    self._fs.sync_dir(d)
             except OSError as exc:
                 with self._lock:
                     self._dirty |= dirty
+                    self._dirty_dirs |= dirs
                 self._turn_off(f"checkpoint failed: {exc}")
                 return False
             finally:
@@ -660,6 +696,23 @@ class DiskStore:
                 self._c["checkpoints"] += 1
                 self._last_checkpoint = self._clock()
             return True
+
+    def _dirty_files(self) -> tuple[list[RegionFile], Optional[OSError]]:
+        """Under the lock: the open files of the regions written since the last
+        checkpoint, one more user each (a region recovered by a scan is opened here);
+        the error that kept one from opening, if any."""
+        files = []
+        for r in self._dirty:
+            tenant = self._index.region_tenant(r)
+            if tenant is None:
+                continue
+            try:
+                files.append(self._file(r, tenant, create=False))
+            except FileNotFoundError:  # gone: its entries are misses, nothing to sync
+                continue
+            except OSError as exc:
+                return files, exc
+        return files, None
 
     def _write_file(self, path: str, data: bytes) -> None:
         """``path`` holds ``data``, durably (its name is not: the caller renames it)."""
