@@ -417,3 +417,33 @@ def test_a_region_evicted_before_the_checkpoint_that_comes_back_is_removed(tmp_p
         assert again.statistics().regions == len(live)
     finally:
         again.close()
+
+
+def test_no_clean_marker_while_a_write_is_still_in_flight(tmp_path, monkeypatch):
+    """The marker lets the next open skip the scan, so it vouches that the last
+    checkpoint covers every record: a write still running when the close gave up
+    waiting is written after that checkpoint, and only a scan finds it."""
+    import ems.disk.store as store_module
+
+    monkeypatch.setattr(store_module, "CLOSE_WAIT_S", 0.05)
+    root = tmp_path / "store"
+    store = store_on(LOCAL, str(root), io_delay_s=0.5)  # every pwritev sleeps first
+    done: list[WriteResult] = []
+    writer = threading.Thread(target=lambda: done.append(
+        store.write("a", "k-1", value_of("a", "k-1"))))
+    writer.start()
+    try:
+        time.sleep(0.2)  # the write is in its pwritev's delay
+        store.close(clean=True)
+        assert not (root / "clean").exists()
+    finally:
+        writer.join(10)
+    assert done == [WriteResult.WRITTEN]
+    again = store_on(LOCAL, str(root))
+    try:
+        assert not again.scan_skipped
+        buf = bytearray(size_of("k-1"))
+        assert again.read("a", "k-1", memoryview(buf), time.monotonic() + 10) is ReadResult.HIT
+        assert bytes(buf) == value_of("a", "k-1")
+    finally:
+        again.close()
