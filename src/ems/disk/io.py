@@ -1,7 +1,15 @@
-"""The disk store's only file I/O: one region file, read and written in chunks with
-``os.preadv``/``os.pwritev``, through ``O_DIRECT`` where the memory and the file allow.
+"""The disk store's only file I/O: a :class:`FileSystem` (the system calls the store
+makes, one method each) and :class:`RegionFile`, one region file read and written in
+chunks with ``preadv``/``pwritev``, through ``O_DIRECT`` where the memory and the file
+allow.
 
-Every ``preadv``/``pwritev`` of the store goes through :meth:`RegionFile._io`, so the
+The store takes its file system by injection (:class:`LocalFileSystem` by default), so a
+test can put a recording layer underneath that knows, per fsync(2), what a power cut at
+any instant would leave (``ems.testing.powercut``): every name the store creates,
+renames or removes and every byte it writes crosses this seam, and nothing else touches
+the directory.
+
+Every ``preadv``/``pwritev`` of a region goes through :meth:`RegionFile._io`, so the
 test hook ``io_delay_s`` (each call sleeps that long first) lives in exactly one place.
 
 Why ``O_DIRECT``: a spill of KV blocks is written once and read back maybe never; through
@@ -23,15 +31,200 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import time
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
 
 from ems.disk.records import ALIGN
 
-__all__ = ["RegionFile", "address_of", "probe_direct"]
+__all__ = ["LOCAL", "DirEntry", "FileSystem", "LocalFileSystem", "RegionFile", "address_of",
+           "probe_direct"]
 
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    """One name in a directory (symbolic links are neither files nor directories)."""
+
+    name: str
+    is_dir: bool
+    is_file: bool
+    size: int
+
+
+class FileSystem(Protocol):
+    """The file operations of the disk store, one per system call it makes. Paths are
+    absolute; a descriptor is the ``int`` :meth:`open_file` returned. Errors are
+    ``OSError`` with the system's errno, as ``os`` raises them.
+
+    Durability is fsync(2)'s and nothing more: a file's bytes are durable after
+    :meth:`sync_data` (fdatasync) or :meth:`sync_file` (fsync) of it; a name that
+    :meth:`open_file` created, :meth:`make_dir` made, :meth:`rename` moved or
+    :meth:`unlink` removed is durable only after :meth:`sync_dir` of its directory."""
+
+    def open_file(self, path: str, *, create: bool = False, exclusive: bool = False,
+                  truncate: bool = False, direct: bool = False) -> int:
+        """open(2) read-write, close-on-exec, mode 0600 when created; ``direct``:
+        ``O_DIRECT`` (``EINVAL`` where the file system refuses it)."""
+        ...
+
+    def close(self, fd: int) -> None: ...
+
+    def write_at(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        """pwritev(2): bytes written (possibly fewer than asked)."""
+        ...
+
+    def read_at(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        """preadv(2): bytes read (fewer at the end of the file)."""
+        ...
+
+    def read_bytes(self, fd: int, n: int, offset: int) -> bytes:
+        """pread(2): up to ``n`` bytes (fewer at the end of the file)."""
+        ...
+
+    def file_size(self, fd: int) -> int: ...
+
+    def sync_data(self, fd: int) -> None:
+        """fdatasync(2)."""
+        ...
+
+    def sync_file(self, fd: int) -> None:
+        """fsync(2)."""
+        ...
+
+    def make_dir(self, path: str) -> bool:
+        """mkdir(2) with mode 0700: True when made, False when it was already there."""
+        ...
+
+    def make_private(self, path: str) -> None:
+        """chmod(2) to 0700."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """fsync(2) of the directory: its names so far are durable."""
+        ...
+
+    def rename(self, src: str, dst: str) -> None:
+        """rename(2), replacing ``dst``."""
+        ...
+
+    def unlink(self, path: str) -> None: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def dir_id(self, path: str) -> int:
+        """The inode number of ``path`` (a replaced directory has another)."""
+        ...
+
+    def list_dir(self, path: str) -> list[DirEntry]: ...
+
+    def total_bytes(self, path: str) -> int:
+        """The size of the file system holding ``path`` (statvfs(3))."""
+        ...
+
+    def lock(self, path: str) -> int:
+        """Create ``path`` if needed, open it and take an exclusive ``flock`` without
+        waiting (``BlockingIOError`` when another holder has it); the descriptor holds
+        the lock until :meth:`close`."""
+        ...
+
+
+class LocalFileSystem:
+    """:class:`FileSystem` on the host's files: each method is its ``os`` call."""
+
+    def open_file(self, path: str, *, create: bool = False, exclusive: bool = False,
+                  truncate: bool = False, direct: bool = False) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if create:
+            flags |= os.O_CREAT | (os.O_EXCL if exclusive else 0)
+        if truncate:
+            flags |= os.O_TRUNC
+        if direct:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o600)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def write_at(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        return os.pwritev(fd, views, offset)
+
+    def read_at(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, views, offset)
+
+    def read_bytes(self, fd: int, n: int, offset: int) -> bytes:
+        return os.pread(fd, n, offset)
+
+    def file_size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def sync_data(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def sync_file(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def make_dir(self, path: str) -> bool:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return False
+        return True
+
+    def make_private(self, path: str) -> None:
+        os.chmod(path, 0o700)
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def dir_id(self, path: str) -> int:
+        return os.stat(path).st_ino
+
+    def list_dir(self, path: str) -> list[DirEntry]:
+        out = []
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    is_dir = e.is_dir(follow_symlinks=False)
+                    is_file = e.is_file(follow_symlinks=False)
+                    size = e.stat(follow_symlinks=False).st_size if is_file else 0
+                except OSError:  # removed while listed
+                    continue
+                out.append(DirEntry(e.name, is_dir, is_file, size))
+        return out
+
+    def total_bytes(self, path: str) -> int:
+        st = os.statvfs(path)
+        return st.f_blocks * st.f_frsize
+
+    def lock(self, path: str) -> int:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+#: the host's file system, the store's default
+LOCAL: FileSystem = LocalFileSystem()
 
 
 def address_of(view: memoryview) -> Optional[int]:
@@ -60,20 +253,19 @@ def _aligned(views: Sequence[memoryview], offset: int) -> bool:
     return True
 
 
-def probe_direct(directory: str) -> bool:
+def probe_direct(fs: FileSystem, directory: str) -> bool:
     """Whether files in ``directory`` can be opened with ``O_DIRECT``."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not getattr(os, "O_DIRECT", 0):
         return False
     path = os.path.join(directory, ".direct-probe")
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | flag, 0o600)
+        fd = fs.open_file(path, create=True, direct=True)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
         raise
-    os.close(fd)
-    os.unlink(path)
+    fs.close(fd)
+    fs.unlink(path)
     return True
 
 
@@ -82,18 +274,18 @@ class RegionFile:
     store so an evicted region's descriptors close only when its last reader is done
     (closing earlier could let a reader hit a reused descriptor number)."""
 
-    def __init__(self, path: str, *, create: bool, direct: bool, chunk_bytes: int,
-                 io_delay_s: float = 0.0) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | os.O_CLOEXEC
+    def __init__(self, fs: FileSystem, path: str, *, create: bool, direct: bool,
+                 chunk_bytes: int, io_delay_s: float = 0.0) -> None:
+        self.fs = fs
         self.path = path
-        self.fd = os.open(path, flags, 0o600)
+        self.fd = fs.open_file(path, create=create, exclusive=create)
         self.direct_fd = -1
         if direct:
             try:
-                self.direct_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+                self.direct_fd = fs.open_file(path, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    os.close(self.fd)
+                    fs.close(self.fd)
                     raise
         self.chunk_bytes = chunk_bytes
         self.io_delay_s = io_delay_s
@@ -103,14 +295,14 @@ class RegionFile:
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
             if fd >= 0:
-                os.close(fd)
+                self.fs.close(fd)
         self.fd = self.direct_fd = -1
 
     def size(self) -> int:
-        return os.fstat(self.fd).st_size
+        return self.fs.file_size(self.fd)
 
     def fdatasync(self) -> None:
-        os.fdatasync(self.fd)
+        self.fs.sync_data(self.fd)
 
     def write(self, views: Sequence[memoryview], offset: int) -> bool:
         """Write ``views`` back to back at ``offset``; True when it went O_DIRECT."""
@@ -172,5 +364,5 @@ class RegionFile:
         if self.io_delay_s:
             time.sleep(self.io_delay_s)
         if write:
-            return os.pwritev(fd, chunk, offset)
-        return os.preadv(fd, chunk, offset)
+            return self.fs.write_at(fd, chunk, offset)
+        return self.fs.read_at(fd, chunk, offset)

@@ -7,8 +7,10 @@
                no
                v
          load checkpoint --> drop entries of regions whose file is gone
-               |
-               v
+               |             --> remove region files it does not name whose id is
+               |                 below its next region id (stale: evicted before it,
+               |                 back after a power cut because the removal was not
+               v                 durable yet)
          scan each region from the checkpoint's scan_from offset (0 for a region
          the checkpoint does not know): a header whose CRC, tenant or value checksum
          fails is skipped a block at a time; the newest seq of a key wins --------> ok
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ems.disk.index import DiskIndex, Location
+from ems.disk.io import LOCAL, FileSystem
 from ems.disk.records import (
     ALIGN,
     HEADER_BYTES,
@@ -77,6 +80,11 @@ class Recovered:
     records_scanned: int
     scan_skipped: bool
     checkpoint_loaded: bool
+    #: regions in which the scan found records (not known to be durable yet)
+    scanned_regions: frozenset[int] = frozenset()
+    #: region files removed as stale: evicted before the checkpoint, their removal
+    #: not durable when the power went
+    stale_regions_removed: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,53 +94,55 @@ class _File:
     size: int
 
 
-def _region_files(root: str) -> dict[int, _File]:
+def _region_files(fs: FileSystem, root: str) -> dict[int, _File]:
     found: dict[int, _File] = {}
-    for d in os.scandir(root):
-        if not d.is_dir(follow_symlinks=False) or not d.name.startswith("t"):
+    for d in fs.list_dir(root):
+        if not d.is_dir or not d.name.startswith("t"):
             continue
         try:
             tenant = bytes.fromhex(d.name[1:]).decode()
         except ValueError:
             continue
-        for f in os.scandir(d.path):
-            if not f.name.endswith(_SUFFIX):
+        for f in fs.list_dir(os.path.join(root, d.name)):
+            if not f.is_file or not f.name.endswith(_SUFFIX):
                 continue
             try:
                 rid = int(f.name[:-len(_SUFFIX)], 16)
-                size = f.stat(follow_symlinks=False).st_size
-            except (ValueError, OSError):
+            except ValueError:
                 continue
-            found[rid] = _File(tenant, rid, size)
+            found[rid] = _File(tenant, rid, f.size)
     return found
 
 
-def _load_checkpoint(root: str) -> Optional[Checkpoint]:
+def _load_checkpoint(fs: FileSystem, root: str) -> Optional[Checkpoint]:
     try:
-        with open(os.path.join(root, CHECKPOINT), "rb") as f:
-            data = f.read()
+        fd = fs.open_file(os.path.join(root, CHECKPOINT))
     except FileNotFoundError:
         return None
+    try:
+        data = fs.read_bytes(fd, fs.file_size(fd), 0)
+    finally:
+        fs.close(fd)
     ck = decode_checkpoint(data)
     if ck is None:
         log.warning("disk store %s: the checkpoint is damaged; scanning every region", root)
     return ck
 
 
-def scan_region(path: str, tenant: str, start: int,
+def scan_region(fs: FileSystem, path: str, tenant: str, start: int,
                 damaged: list[int]) -> Iterator[tuple[RecordHeader, int]]:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start`` on:
     (header, offset). A header that parses but whose value fails its checksum or runs
     past the end of the file is counted in ``damaged[0]``."""
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
+    fd = fs.open_file(path)
+    try:
+        size = fs.file_size(fd)
         buf = b""
         buf_at = start
         pos = start
         while pos + HEADER_BYTES <= size:
             if pos + HEADER_BYTES > buf_at + len(buf):
-                buf = os.pread(fd, SCAN_READ_BYTES, pos)
+                buf = fs.read_bytes(fd, SCAN_READ_BYTES, pos)
                 buf_at = pos
             view = memoryview(buf)
             at = pos - buf_at
@@ -146,7 +156,7 @@ def scan_region(path: str, tenant: str, start: int,
                 pos += ALIGN
                 continue
             if end > buf_at + len(buf):
-                buf = os.pread(fd, max(SCAN_READ_BYTES, end - pos), pos)
+                buf = fs.read_bytes(fd, max(SCAN_READ_BYTES, end - pos), pos)
                 buf_at = pos
                 view = memoryview(buf)
                 at = 0
@@ -157,12 +167,15 @@ def scan_region(path: str, tenant: str, start: int,
                 continue
             yield h, pos
             pos += record_span(h.value_len)
+    finally:
+        fs.close(fd)
 
 
-def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> Recovered:
+def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
+            fs: FileSystem = LOCAL) -> Recovered:
     """The index of the store in ``root`` (see the module's state machine)."""
-    ck = _load_checkpoint(root)
-    files = _region_files(root)
+    ck = _load_checkpoint(fs, root)
+    files = _region_files(fs, root)
     index = DiskIndex(capacity_bytes, region_bytes)
     scan_from: dict[int, int] = {}
     if ck is not None:
@@ -172,9 +185,16 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> R
             if f is not None and f.tenant == r.tenant:
                 index.restore_region(f.tenant, f.region, round_up(f.size))
                 scan_from[f.region] = r.scan_from
+    stale = 0
     for rid in sorted(files):
         if rid not in scan_from:
             f = files[rid]
+            if ck is not None and rid < ck.next_region:
+                # made before the checkpoint and not in it: evicted before it; the file
+                # is back because its removal was not durable yet (a power cut)
+                fs.unlink(region_path(root, f.tenant, rid))
+                stale += 1
+                continue
             index.restore_region(f.tenant, rid, round_up(f.size))
             scan_from[rid] = 0
     next_seq = 1
@@ -185,18 +205,21 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool) -> R
     skip = clean and ck is not None
     damaged = [0]
     scanned = 0
+    scanned_regions = set()
     if not skip:
         for rid, start in scan_from.items():
             f = files[rid]
             if f.size <= start:
                 continue
             try:
-                for h, offset in scan_region(region_path(root, f.tenant, rid), f.tenant,
-                                             start, damaged):
+                for h, offset in scan_region(fs, region_path(root, f.tenant, rid),
+                                             f.tenant, start, damaged):
                     scanned += 1
+                    scanned_regions.add(rid)
                     next_seq = max(next_seq, h.seq + 1)
                     index.restore_entry(f.tenant, h.key,
                                         Location(rid, offset, h.value_len, h.seq))
             except FileNotFoundError:
                 index.drop_region(rid)
-    return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None)
+    return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None,
+                     frozenset(scanned_regions), stale)
