@@ -430,7 +430,11 @@ def test_threads_writing_reading_and_evicting_never_see_wrong_bytes(tmp_path):
     def work(t: int) -> None:
         rng = random.Random(t)
         try:
-            for _ in range(150):
+            # at least 150 operations, and on until a timer checkpoint ran beside them
+            # (a fast host finishes 150 in ~40 ms, before the first 50 ms checkpoint)
+            for i in range(5000):
+                if i >= 150 and store.statistics().checkpoints > 0:
+                    break
                 k = f"k{rng.randrange(400)}"
                 n = 4096 * (1 + int(k[1:]) % 5)
                 if rng.random() < 0.5:
