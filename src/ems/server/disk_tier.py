@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import heapq
 import logging
 import threading
 import time
@@ -115,7 +114,6 @@ class DiskTier(Tier):
                                            thread_name_prefix="ems-disk-write")
         self._memory = SegmentMaps()
         self._fetches = FetchBook(FETCH_OWNER)
-        self._timers = _Timers()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._queued_bytes = 0
         self._inflight_bytes = 0
@@ -244,7 +242,7 @@ class DiskTier(Tier):
             if last:
                 self._loop.call_soon(finish)
 
-        self._timers.at(deadline, lambda: self._loop.call_soon(finish))
+        self._loop.call_at(deadline, finish)
         for i in range(len(reserved)):
             self._readers.submit(one, i)
 
@@ -390,7 +388,6 @@ class DiskTier(Tier):
             self._flush(time.monotonic() + self.config.flush_on_stop_s)
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True)
-        self._timers.close()
         self.store.close(clean=True)
         self._memory.close()
 
@@ -437,42 +434,6 @@ class DiskTier(Tier):
         self._writers.shutdown(wait=True, cancel_futures=True)
         for p, pin in zip(jobs, pins):
             p.tenant.pool.release([pin.token], WRITE_OWNER)
-
-
-class _Timers:
-    """One thread that runs callbacks at their times (a load's deadline), in order."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="ems-disk-timers", daemon=True)
-        self._thread.start()
-
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._heap, (when, self._seq, fn))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or
-                                            self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(wait)
-                if self._closed:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            fn()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(5.0)
 
 
 def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]]

@@ -57,6 +57,9 @@ class Loop(Protocol):
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the event loop soon (callable from any thread)."""
 
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the event loop at monotonic time ``when`` (any thread)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Extent:
