@@ -64,7 +64,7 @@ from ems.server.listener import Listener, ListenError
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantRegistry
-from ems.server.tiers import Tier
+from ems.server.tiers import Observer, Tier
 
 if TYPE_CHECKING:
     from ems.server.kv_events import KvEventPublisher
@@ -126,9 +126,11 @@ class Daemon:
         self._per_uid: collections.Counter = collections.Counter()
         #: the tiers beyond shared memory, in lookup order (started with the daemon)
         self.tiers: list[Tier] = []
-        #: the KV events publisher (``--kv-events``), bound by ``main``; a tier observes
-        #: the pools for it (``ems.server.events_tier``)
+        #: the KV events publisher (``--kv-events``), bound by ``main``; an observer
+        #: watches the pools for it (``ems.server.events_observer``)
         self.kv_events: Optional[KvEventPublisher] = None
+        #: what watches the pools' stores and evictions (started with the daemon)
+        self.observers: list[Observer] = []
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
         #: :meth:`call_at` callbacks, a heap of (monotonic time, sequence, callback);
         #: tiers' workers add to it, so it has a lock (the loop alone pops)
@@ -178,7 +180,11 @@ class Daemon:
                 self._listener.close()
                 self._release_lock()
                 raise
-            self.handlers = Handlers(self.limits, self.tiers, self, self.refused)
+            if self.kv_events is not None:
+                from ems.server.events_observer import EventsObserver
+                self.observers = [EventsObserver(self.kv_events)]
+            self.handlers = Handlers(self.limits, self.tiers, self, self.refused,
+                                     self.observers)
         self._started = time.monotonic()
 
     def _start_tiers(self) -> list[Tier]:
@@ -191,9 +197,6 @@ class Daemon:
             if self.config.cluster:
                 from ems.server import cluster_tier
                 tiers.append(cluster_tier.start(self.config, self))
-            if self.kv_events is not None:
-                from ems.server.events_tier import EventsTier
-                tiers.append(EventsTier(self.kv_events))
         except RuntimeError as exc:
             for tier in tiers:
                 tier.close()
@@ -692,9 +695,10 @@ class Daemon:
             if tiers:
                 row["tiers"] = tiers
             out["tenants"][t.name] = row
-        for tier in self.tiers:
-            tier_report = tier.report()
-            if tier_report is not None:
-                out[tier.name] = tier_report
+        parts: list[Tier | Observer] = [*self.tiers, *self.observers]
+        for part in parts:
+            part_report = part.report()
+            if part_report is not None:
+                out[part.name] = part_report
         return out
 

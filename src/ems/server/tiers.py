@@ -29,6 +29,9 @@ attributes (vLLM's connector base does the same: ``SupportsHMA``): :attr:`Tier.l
 order (disk before cluster); each tier fills shared memory with the leading keys it
 has, the handler pins them and hands what is still missing to the next one.
 
+What only watches the pools (KV events) is an :class:`Observer`, told of the same
+new objects and evictions, and never asked to load, count or save.
+
 A tier never answers a client, never touches a session's state and never imports
 another tier: it is told what to do and calls ``done`` on the event loop (through
 :class:`Loop`) when its part is over. It may use its tenant's pool with owners of its
@@ -45,7 +48,7 @@ from typing import Callable, ClassVar, Optional, Protocol, Sequence
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "Report", "Tier", "TierCounters"]
+__all__ = ["Extent", "Loop", "Observer", "Report", "Tier", "TierCounters"]
 
 #: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
 Report = dict[str, object]
@@ -128,6 +131,27 @@ class Tier:
 
     def close(self) -> None:
         """The daemon stops (after the last request was answered)."""
+
+
+class Observer:
+    """Watches what shared memory stores and evicts (KV events: ``ems.server.
+    events_observer``): holds no bytes and handles no load, count or save, so the
+    handlers never walk it as a tier. Every hook is optional (neutral defaults)."""
+
+    #: its name in the daemon's report
+    name: ClassVar[str] = "observer"
+
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        """A save's NEW keys were committed in ``tenant``'s pool (``hashes``: the
+        engine's block hash of each key, where the save carried them)."""
+
+    def evicted(self, tenant: Tenant, key: str, size: int) -> None:
+        """``key`` left ``tenant``'s pool to make room for another."""
+
+    def report(self) -> Optional[Report]:
+        """Its part of the daemon's report (``report()[name]``)."""
+        return None
 
 
 class TierCounters:
