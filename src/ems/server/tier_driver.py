@@ -593,7 +593,8 @@ class TierDriver(Tier):
             views: list[memoryview] = []
             outcomes: list[Written]
             try:
-                views = [self._memory.view(tenant, e.offset, e.size) for e in extents]
+                for e in extents:
+                    views.append(self._memory.view(tenant, e.offset, e.size))
                 outcomes = engine.write_batch(
                     tenant, [Target(k, v) for k, v in zip(keys, views)], deadline)
             except Exception:  # noqa: BLE001 - a bug is a write not done

@@ -179,12 +179,3 @@ class TierCounters:
     def of(self, tenant: Tenant) -> dict[str, int]:
         with self._lock:
             return dict(self._per_tenant.get(tenant.name, {}))
-
-    @staticmethod
-    def lookups(row: dict[str, int]) -> Report:
-        """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
-        hits, misses = row.get("hits", 0), row.get("misses", 0)
-        return {"hits": hits, "misses": misses,
-                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
-                "bytes_out": row.get("bytes_out", 0)}
