@@ -3,8 +3,10 @@
 The tenant's pool in shared memory (``ems.pool.core``) is the tier every request
 starts and ends in: clients copy only to and from it. Other tiers (the local disk,
 ``ems.server.disk_tier``; the Valkey Cluster shared by every host,
-``ems.server.cluster_tier``) implement :class:`Tier` and are called by the request
-handlers (``ems.server.handlers``) at the points where a request can go beyond
+``ems.server.cluster_tier``) are engines behind one ``ems.server.tier_driver.
+TierDriver``, which implements :class:`Tier` and keeps their books (workers,
+deadlines, fetches, pins, write-out bounds, counters); the request handlers
+(``ems.server.handlers``) call it at the points where a request can go beyond
 shared memory:
 
 ==============  ==============================================  ======================
