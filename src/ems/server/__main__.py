@@ -178,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if config.kv_events:
             events = _KvEvents(config)
             extras.append(events)
-            daemon.kv_events = events.publisher  # a tier of its own (ems.server.events_tier)
+            daemon.kv_events = events.publisher  # watched by ems.server.events_observer
     except (EmsException, ImportError, OSError) as exc:
         for extra in extras:
             extra.stop()

@@ -43,12 +43,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fcntl
+import heapq
 import logging
 import os
 import secrets
 import select
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -59,10 +61,11 @@ from ems.protocol.connection import Phase, ServerConnection
 from ems.protocol.framing import DecodeLimitExceeded
 from ems.server.config import Limits, ServerConfig
 from ems.server.handlers import Handlers
-from ems.server.listener import Listener, ListenError, RateLimitedLog
+from ems.server.listener import Listener, ListenError
+from ems.server.ratelimit import RateLimitedLog
 from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantRegistry
-from ems.server.tiers import Tier
+from ems.server.tiers import Observer, Tier
 
 if TYPE_CHECKING:
     from ems.server.kv_events import KvEventPublisher
@@ -96,7 +99,7 @@ class Daemon:
         self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its Session
         self._conns: dict[int, Session] = {}
         self._ids = 0
-        self._warnings = RateLimitedLog()
+        self._warnings = RateLimitedLog(logger)
         self._listener = Listener(self.path, config.socket_mode,
                                   lambda sock: self._watch(sock, "listen"), self._unwatch,
                                   self._warnings)
@@ -124,10 +127,17 @@ class Daemon:
         self._per_uid: collections.Counter = collections.Counter()
         #: the tiers beyond shared memory, in lookup order (started with the daemon)
         self.tiers: list[Tier] = []
-        #: the KV events publisher (``--kv-events``), bound by ``main``; a tier observes
-        #: the pools for it (``ems.server.events_tier``)
+        #: the KV events publisher (``--kv-events``), bound by ``main``; an observer
+        #: watches the pools for it (``ems.server.events_observer``)
         self.kv_events: Optional[KvEventPublisher] = None
+        #: what watches the pools' stores and evictions (started with the daemon)
+        self.observers: list[Observer] = []
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
+        #: :meth:`call_at` callbacks, a heap of (monotonic time, sequence, callback);
+        #: tiers' workers add to it, so it has a lock (the loop alone pops)
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timers_lock = threading.Lock()
+        self._timer_seq = 0
         self.handlers = Handlers(self.limits, (), self, self.refused)
 
     # ------------------------------------------------------------ start / stop
@@ -171,7 +181,11 @@ class Daemon:
                 self._listener.close()
                 self._release_lock()
                 raise
-            self.handlers = Handlers(self.limits, self.tiers, self, self.refused)
+            if self.kv_events is not None:
+                from ems.server.events_observer import EventsObserver
+                self.observers = [EventsObserver(self.kv_events)]
+            self.handlers = Handlers(self.limits, self.tiers, self, self.refused,
+                                     self.observers)
         self._started = time.monotonic()
 
     def _start_tiers(self) -> list[Tier]:
@@ -184,9 +198,6 @@ class Daemon:
             if self.config.cluster:
                 from ems.server import cluster_tier
                 tiers.append(cluster_tier.start(self.config, self))
-            if self.kv_events is not None:
-                from ems.server.events_tier import EventsTier
-                tiers.append(EventsTier(self.kv_events))
         except RuntimeError as exc:
             for tier in tiers:
                 tier.close()
@@ -197,6 +208,26 @@ class Daemon:
         """Run ``fn`` on the loop soon (any thread: the tiers' completions)."""
         self._soon.append(fn)
         self.wake()
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop at monotonic time ``when`` (any thread: a tier's
+        deadline). The loop's poll wakes by the earliest one, so a deadline costs no
+        thread of its own; a callback due when the loop stops is dropped (the tiers'
+        ``close`` finishes what they hold)."""
+        with self._timers_lock:
+            self._timer_seq += 1
+            heapq.heappush(self._timers, (when, self._timer_seq, fn))
+            first = self._timers[0][1] == self._timer_seq
+        if first:  # the poll may be waiting past it
+            self.wake()
+
+    def _run_due(self, now: float) -> None:
+        """Run the :meth:`call_at` callbacks due by ``now``, in time order."""
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            with self._timers_lock:
+                fn = heapq.heappop(timers)[2]
+            self._run_hook(fn)
 
     def _run_soon(self) -> None:
         soon = self._soon
@@ -262,6 +293,8 @@ class Daemon:
                     wake_at = next_tick
                     if listener.paused_until:
                         wake_at = min(wake_at, listener.paused_until)
+                    if self._timers:
+                        wake_at = min(wake_at, self._timers[0][0])
                     events = poll(max(0.0, wake_at - time.monotonic()))
                 if spin_s and events:
                     busy_until = time.monotonic() + spin_s
@@ -271,6 +304,8 @@ class Daemon:
                         self._dispatch(data, mask)
                 if listener.paused_until:
                     listener.resume_if_due(time.monotonic())
+                if self._timers:
+                    self._run_due(time.monotonic())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + self._tick_s
@@ -662,9 +697,10 @@ class Daemon:
             if tiers:
                 row["tiers"] = tiers
             out["tenants"][t.name] = row
-        for tier in self.tiers:
-            tier_report = tier.report()
-            if tier_report is not None:
-                out[tier.name] = tier_report
+        parts: list[Tier | Observer] = [*self.tiers, *self.observers]
+        for part in parts:
+            part_report = part.report()
+            if part_report is not None:
+                out[part.name] = part_report
         return out
 

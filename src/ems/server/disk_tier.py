@@ -29,13 +29,19 @@ written too: in a cache that runs full (the steady state) nearly every object is
 evicted sooner or later, and ``second-hit`` admission and ``write_budget`` bound the
 wear where that is not so.
 
+This module is the engine only (``ems.server.tier_driver.Engine``: look up, read,
+write, report); the tier driver keeps the books around it: the workers (reads and
+writes apart), the queue and the in-flight bounds, the pins, the fetches and their
+de-duplication, the deadlines and the counters.
+
 Deadlines: a load's disk reads get the request's deadline (80% of what is left,
 ``ems.server.handlers.BUDGET_SHARE``), never more than half the reservation TTL. A
-read checks the deadline between chunks (``ems.disk``) and says TIMEOUT; the request
-is answered only after every read of it returned, so no byte reaches the pool space
-of a key after the key was aborted, and the client's copy starts only from committed,
-checksummed bytes. A load or ``exists`` that arrives while the store recovers waits
-for the recovery within its own deadline (on a worker, never on the loop).
+read checks the deadline between chunks (``ems.disk``) and says TIMEOUT; a read still
+running at the deadline keeps its reservation until it returns and is then aborted,
+so no byte reaches the pool space of a key after the key was aborted, and the
+client's copy starts only from committed, checksummed bytes. A load or ``exists``
+that arrives while the store recovers waits for the recovery within its own deadline
+(on a worker, never on the loop).
 
 Faults: ENOSPC or a tenant's disk share full -> nothing more admitted (one warning, a
 counter), shared memory keeps serving; EIO on a read -> a miss, counted; the
@@ -49,56 +55,46 @@ start skips the scan and finds everything that fitted on the disk.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
-import heapq
 import logging
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 from ems.disk import DiskSettings, DiskState, DiskStore, DiskStoreLocked, ReadResult, WriteResult
-from ems.pool.core import Pin
 from ems.server.config import ANONYMOUS, DiskConfig, ServerConfig
-from ems.server.fetches import Fetch, FetchBook
-from ems.server.memory import SegmentMaps
 from ems.server.tenants import Tenant
-from ems.server.tiers import Loop, Report, Tier, TierCounters
+from ems.server.tier_driver import (
+    WRITTEN,
+    AdmitAll,
+    DriverSettings,
+    DriverStatistics,
+    Engine,
+    ReadOutcome,
+    SecondHit,
+    Target,
+    TierDriver,
+    Written,
+)
+from ems.server.tiers import Loop, Report
 
-__all__ = ["DiskTier", "start"]
+__all__ = ["DiskEngine", "start"]
 
 logger = logging.getLogger(__name__)
 
-#: Pool owners of what the tier holds: reservations being read into, values being written.
-FETCH_OWNER = ("ems-disk", "fetch")
-WRITE_OWNER = ("ems-disk", "write")
-#: keys remembered for ``second-hit`` admission (a bounded LRU of keys seen once)
-_SEEN_KEYS = 1 << 18
-_WARN_EVERY_S = 10.0
+_READ = {ReadResult.HIT: ReadOutcome.HIT, ReadResult.TIMEOUT: ReadOutcome.TIMEOUT,
+         ReadResult.DAMAGED: ReadOutcome.DAMAGED, ReadResult.IO_ERROR: ReadOutcome.IO_ERROR}
+_WARN = {WriteResult.QUOTA: "a tenant's disk share is full and nothing of it can be "
+                            "evicted: not admitted (counted)",
+         WriteResult.BUDGET: "the disk's write budget for today is spent "
+                             "(disk.write_budget): not admitted (counted)"}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """An object waiting to be written to disk."""
-
-    tenant: Tenant
-    key: str
-    size: int
-
-
-class DiskTier(Tier):
-    """See the module docstring. Hooks run on the event loop; disk I/O on the workers
-    (reads and writes on separate pools: a load never waits behind spills)."""
+class DiskEngine(Engine):
+    """See the module docstring: a ``DiskStore`` behind the tier driver."""
 
     name: ClassVar[str] = "disk"
     local: ClassVar[bool] = True
-    wants_stored: ClassVar[bool] = True
 
-    def __init__(self, config: DiskConfig, pool_capacity_bytes: int, loop: Loop,
-                 tenants: Callable[[], Iterable[Tenant]], reservation_ttl_s: float = 60.0
-                 ) -> None:
+    def __init__(self, config: DiskConfig, pool_capacity_bytes: int) -> None:
         self.config = config
         self.store = DiskStore(DiskSettings(
             path=config.path, capacity_bytes=config.capacity_bytes,
@@ -106,39 +102,21 @@ class DiskTier(Tier):
             write_budget_bytes_per_day=config.write_budget_bytes_per_day,
             io_delay_s=config.io_delay_ms / 1000))
         self.store.open()  # recovery runs in the background from here
-        self._loop = loop
-        self._tenants = tenants
+        self.admission = SecondHit() if config.admission == "second-hit" else AdmitAll()
         self._pool_capacity = max(1, pool_capacity_bytes)
-        self._max_read_s = reservation_ttl_s / 2
-        self._readers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ems-disk-read")
-        self._writers = ThreadPoolExecutor(max(1, config.io_threads // 2),
-                                           thread_name_prefix="ems-disk-write")
-        self._memory = SegmentMaps()
-        self._fetches = FetchBook(FETCH_OWNER)
-        self._timers = _Timers()
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._queued_bytes = 0
-        self._inflight_bytes = 0
-        self._inflight_per_tenant: dict[str, int] = {}
-        self._quota_set: set[str] = set()
-        self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        self._warned_at: dict[str, float] = {}
-        self._counters = TierCounters()
-        self._closed = False
 
-    # ------------------------------------------------------------ plumbing
-    def _warn(self, what: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at.get(what, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            self._warned_at[what] = now
-            logger.warning("ems disk: %s", message)
+    def usable(self) -> bool:
+        return self.store.state is not DiskState.OFF
 
-    def _quota(self, tenant: Tenant) -> None:
-        """Give the store ``tenant``'s disk share once: its ``[disk.quotas]`` entry, else
+    def ready(self) -> bool:
+        return not self.store.recovering
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.store.wait_recovered(timeout_s)
+
+    def opened(self, tenant: Tenant) -> None:
+        """Give the store ``tenant``'s disk share: its ``[disk.quotas]`` entry, else
         its share of the pools' memory applied to the disk's capacity."""
-        if tenant.name in self._quota_set:
-            return
-        self._quota_set.add(tenant.name)
         key = tenant.spec.access_id if tenant.spec.access_id is not None else ANONYMOUS
         share = self.config.quotas_bytes.get(key)
         if share is None:
@@ -146,40 +124,9 @@ class DiskTier(Tier):
                                                          self._pool_capacity))
         self.store.set_quota(tenant.name, share)
 
-    def _usable(self) -> bool:
-        return not self._closed and self.store.state is not DiskState.OFF
-
-    def _deadline(self, deadline: Optional[float]) -> float:
-        cap = time.monotonic() + self._max_read_s
-        return cap if deadline is None else min(deadline, cap)
-
-    def _after_recovery(self, deadline: float, then: Callable[[], None]) -> None:
-        """Run ``then`` on the loop once recovery is over or ``deadline`` passed (the
-        wait happens on a worker, never on the loop)."""
-        def wait() -> None:
-            self.store.wait_recovered(deadline - time.monotonic())
-            self._loop.call_soon(then)
-        self._readers.submit(wait)
-
-    # ------------------------------------------------------------ loads
-    def fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
-             deadline: Optional[float], done: Callable[[], None]) -> bool:
-        """Read the leading keys the disk holds into the tenant's pool (module doc)."""
-        if not self._usable():
-            return False
-        limit = self._deadline(deadline)
-        if self.store.recovering:
-            def retry() -> None:
-                if not self._fill(tenant, keys, sizes, limit, done):
-                    done()
-            self._after_recovery(limit, retry)
-            return True
-        return self._fill(tenant, keys, sizes, limit, done)
-
-    def _fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
-              deadline: float, done: Callable[[], None]) -> bool:
-        if not self._usable():
-            return False
+    def lookup(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]]
+               ) -> list[int]:
+        """The leading keys the disk index holds, with their sizes (no I/O)."""
         store, name = self.store, tenant.name
         run: list[int] = []
         for i, key in enumerate(keys):
@@ -187,173 +134,20 @@ class DiskTier(Tier):
             if size is None or (sizes is not None and sizes[i] != size):
                 break
             run.append(size)
-        if not run:
-            self._counters.add(tenant, lookups=1, misses=1)
-            return False
-        return self._fetches.plan(tenant, keys[:len(run)], run, done,
-                                  lambda fetch: self._read(fetch, deadline))
+        return run
 
-    def _read(self, fetch: Fetch, deadline: float) -> None:
-        """Read each key of ``fetch`` on its own worker (a load's blocks in parallel).
+    def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
+        result = self.store.read(tenant.name, target.key, target.memory, deadline)
+        return _READ.get(result, ReadOutcome.MISS)
 
-        The fetch finishes on the loop when the last read returned or at ``deadline``,
-        whichever comes first: a read still running then (a disk slower than the
-        deadline: one I/O cannot be interrupted) keeps its reservation until it
-        returns, and is then aborted; the request is answered by its deadline without
-        it, and its bytes never become visible."""
-        tenant, store = fetch.tenant, self.store
-        reserved = fetch.reserved
-        results: list[Optional[ReadResult]] = [None] * len(reserved)
-        state = {"left": len(reserved), "finished": False}
-        lock = threading.Lock()
-
-        def finish() -> None:  # on the loop: the last read returned, or the deadline
-            with lock:
-                if state["finished"]:
-                    return
-                state["finished"] = True
-                now = list(results)
-            late = [i for i, r in enumerate(now) if r is None]
-            ok = [r is ReadResult.HIT for r in now]
-            hits = sum(ok)
-            self._counters.add(tenant, lookups=len(ok), hits=hits, misses=len(ok) - hits,
-                        bytes_in=sum(r.grant.size for r, good in zip(reserved, ok) if good),
-                        read_timeouts=len(late) + now.count(ReadResult.TIMEOUT),
-                        read_damaged=now.count(ReadResult.DAMAGED),
-                        read_io_errors=now.count(ReadResult.IO_ERROR))
-            self._fetches.finish(fetch, ok, late)
-
-        def one(i: int) -> None:
-            r = reserved[i]
-            try:
-                view = self._memory.view(tenant, r.grant.offset, r.grant.size)
-                try:
-                    result = store.read(tenant.name, r.key, view, deadline)
-                finally:
-                    view.release()
-            except Exception:  # noqa: BLE001 - a bug is a miss, never a stuck request
-                logger.exception("ems disk: a read failed")
-                result = ReadResult.IO_ERROR
-            with lock:
-                if state["finished"]:  # answered without it: give its space back
-                    self._loop.call_soon(lambda: self._fetches.abort_late(fetch, i))
-                    return
-                results[i] = result
-                state["left"] -= 1
-                last = state["left"] == 0
-            if last:
-                self._loop.call_soon(finish)
-
-        self._timers.at(deadline, lambda: self._loop.call_soon(finish))
-        for i in range(len(reserved)):
-            self._readers.submit(one, i)
-
-    def count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
-              deadline: Optional[float], done: Callable[[int], None]) -> bool:
-        """The leading keys the disk index holds (no I/O); waits for a recovery in
-        progress within the deadline."""
-        if not self._usable():
-            return False
-        if self.store.recovering:
-            self._after_recovery(self._deadline(deadline),
-                                 lambda: done(self.store.leading(tenant.name, keys, sizes)))
-            return True
-        done(self.store.leading(tenant.name, keys, sizes))
-        return True
-
-    # ------------------------------------------------------------ saves
-    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
-               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
-        """Queue the new objects of a save for the disk (admission, then the bounds)."""
-        if not self._usable():
-            return
-        self._quota(tenant)
-        second_hit = self.config.admission == "second-hit"
-        limit = self.config.queue_bytes
-        for key, size in zip(keys, sizes):
-            if second_hit and not self._seen_before(tenant.name, key):
-                self._counters.add(tenant, not_admitted=1)
-                continue
-            if self._queued_bytes + size > limit:
-                self._counters.add(tenant, queue_dropped=1)
-                self._warn("queue", f"{self._queued_bytes} bytes wait for the disk, the "
-                                    f"bound (disk.queue): saves are not written to disk "
-                                    f"until it drains (counted as queue_dropped)")
-                continue
-            self._queue.append(_Pending(tenant, key, size))
-            self._queued_bytes += size
-        self._pump()
-
-    def _seen_before(self, tenant: str, key: str) -> bool:
-        seen = self._seen
-        if (tenant, key) in seen:
-            del seen[(tenant, key)]
-            return True
-        seen[(tenant, key)] = None
-        if len(seen) > _SEEN_KEYS:
-            seen.popitem(last=False)
-        return False
-
-    def _pump(self) -> None:
-        """Start queued writes while the bytes in flight allow (on the loop).
-
-        A value being written is pinned in shared memory, where it cannot be evicted:
-        a quarter of a tenant's pool at most is pinned so (and ``disk.inflight`` in
-        all), so a disk slower than the saves never makes shared memory refuse them.
-        """
-        queue, limit = self._queue, self.config.inflight_bytes
-        per_tenant = self._inflight_per_tenant
-        while queue:
-            p = queue[0]
-            mine = per_tenant.get(p.tenant.name, 0)
-            if self._inflight_bytes and (
-                    self._inflight_bytes + p.size > limit or
-                    mine and mine + p.size > p.tenant.pool.capacity_bytes // 4):
-                break
-            queue.popleft()
-            self._queued_bytes -= p.size
-            if self.store.contains(p.tenant.name, p.key, p.size):
-                continue
-            pins = p.tenant.pool.acquire([p.key], [p.size], WRITE_OWNER, count=False)
-            if not pins:  # evicted (or deleted) before its turn
-                self._counters.add(p.tenant, evicted_before_write=1)
-                continue
-            self._inflight_bytes += p.size
-            per_tenant[p.tenant.name] = mine + p.size
-            self._writers.submit(self._write, p, pins[0])
-
-    def _write(self, p: _Pending, pin: Pin) -> None:
-        """On a writer: the pinned pool bytes to disk; the pin goes back on the loop."""
-        try:
-            view = self._memory.view(p.tenant, pin.offset, pin.size)
-            try:
-                result = self.store.write(p.tenant.name, p.key, view)
-            finally:
-                view.release()
-        except Exception:  # noqa: BLE001 - a bug is a write not done, never a stuck pin
-            logger.exception("ems disk: a write failed")
-            result = WriteResult.IO_ERROR
-        self._loop.call_soon(lambda: self._written(p, pin, result))
-
-    def _written(self, p: _Pending, pin: Pin, result: WriteResult) -> None:
-        p.tenant.pool.release([pin.token], WRITE_OWNER)
-        self._inflight_bytes -= p.size
-        self._inflight_per_tenant[p.tenant.name] -= p.size
+    def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
+        result = self.store.write(tenant.name, source.key, source.memory)
         if result is WriteResult.WRITTEN or result is WriteResult.EXISTS:
-            self._counters.add(p.tenant, writes=1, bytes_out=p.size)
-        else:
-            self._counters.add(p.tenant, **{f"refused_{result.name.lower()}": 1})
-            if result is WriteResult.QUOTA:
-                self._warn("quota", f"tenant {p.tenant.name}'s disk share is full and "
-                                    f"nothing of it can be evicted: not admitted (counted)")
-            elif result is WriteResult.BUDGET:
-                self._warn("budget", "the disk's write budget for today is spent "
-                                     "(disk.write_budget): not admitted (counted)")
-        self._pump()
+            return WRITTEN
+        return Written(False, result.value, _WARN.get(result))
 
-    # ------------------------------------------------------------ report
-    def tenant_report(self, tenant: Tenant) -> Report:
-        out = TierCounters.lookups(self._counters.of(tenant))
+    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Report:
+        out = books.lookups_row()
         out.update(objects=0, used_bytes=0, quota_bytes=None)
         for t in self.store.statistics().tenants:
             if t.tenant == tenant.name:
@@ -361,131 +155,39 @@ class DiskTier(Tier):
                            quota_bytes=t.quota_bytes)
         return out
 
-    def report(self) -> Report:
-        st = self.store.statistics()
-        row = dataclasses.asdict(st)
+    def report(self, books: DriverStatistics) -> Report:
+        row = dataclasses.asdict(self.store.statistics())
         row.pop("tenants", None)
-        c = self._counters.totals()
         row.update(path=self.config.path, admission=self.config.admission,
-                   tier={"lookups": c.get("lookups", 0), **TierCounters.lookups(c)},
-                   queued_write_bytes=self._queued_bytes,
-                   inflight_write_bytes=self._inflight_bytes,
-                   admissions_refused={k[len("refused_"):]: v for k, v in c.items()
-                                       if k.startswith("refused_")},
-                   queue_dropped=c.get("queue_dropped", 0),
-                   evicted_before_write=c.get("evicted_before_write", 0),
-                   not_admitted=c.get("not_admitted", 0),
-                   read_timeouts=c.get("read_timeouts", 0),
-                   flushed_on_stop=c.get("flushed_on_stop", 0))
+                   tier={"lookups": books.lookups, **books.lookups_row()},
+                   queued_write_bytes=books.queued_bytes,
+                   inflight_write_bytes=books.inflight_bytes,
+                   admissions_refused=books.refused, queue_dropped=books.dropped,
+                   evicted_before_write=books.evicted_before_write,
+                   not_admitted=books.not_admitted, read_timeouts=books.read_timeouts,
+                   flushed_on_stop=books.flushed_on_stop)
         return row
 
-    # ------------------------------------------------------------ stop
     def close(self) -> None:
-        """Flush what shared memory holds and the disk does not (bounded by
-        ``flush_on_stop_s``), then checkpoint and mark a clean shutdown."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.store.state is DiskState.OK:
-            self._flush(time.monotonic() + self.config.flush_on_stop_s)
-        self._readers.shutdown(wait=True, cancel_futures=True)
-        self._writers.shutdown(wait=True)
-        self._timers.close()
+        """Checkpoint and mark a clean shutdown (after the driver's flush)."""
         self.store.close(clean=True)
-        self._memory.close()
-
-    def _flush(self, deadline: float) -> None:
-        """On the loop, which has stopped serving: pin every object the disk lacks,
-        write them on the writers, wait until ``deadline``, unpin."""
-        self._queue.clear()
-        self._queued_bytes = 0
-        jobs: list[_Pending] = []
-        pins: list[Pin] = []
-        for tenant in self._tenants():
-            self._quota(tenant)
-            pool = tenant.pool
-            for key in pool.keys():
-                if not isinstance(key, str) or self.store.contains(tenant.name, key):
-                    continue
-                got = pool.acquire([key], None, WRITE_OWNER, count=False)
-                if got:
-                    jobs.append(_Pending(tenant, key, got[0].size))
-                    pins.append(got[0])
-
-        def write(p: _Pending, pin: Pin) -> bool:
-            if time.monotonic() >= deadline:
-                return False
-            view = self._memory.view(p.tenant, pin.offset, pin.size)
-            try:
-                return self.store.write(p.tenant.name, p.key, view) in (
-                    WriteResult.WRITTEN, WriteResult.EXISTS)
-            finally:
-                view.release()
-
-        futures = [self._writers.submit(write, p, pin) for p, pin in zip(jobs, pins)]
-        done, late = concurrent.futures.wait(futures,
-                                             timeout=max(0.0, deadline - time.monotonic()))
-        for f in late:
-            f.cancel()
-        flushed = sum(1 for f in done if not f.cancelled() and f.exception() is None
-                      and f.result())
-        self._counters.add(flushed_on_stop=flushed)
-        if jobs:
-            logger.info("ems disk: wrote %d of %d objects of shared memory at stop (%s)",
-                        flushed, len(jobs), "all" if flushed == len(jobs) else
-                        f"flush_on_stop_s {self.config.flush_on_stop_s:g} s reached")
-        self._writers.shutdown(wait=True, cancel_futures=True)
-        for p, pin in zip(jobs, pins):
-            p.tenant.pool.release([pin.token], WRITE_OWNER)
-
-
-class _Timers:
-    """One thread that runs callbacks at their times (a load's deadline), in order."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="ems-disk-timers", daemon=True)
-        self._thread.start()
-
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._heap, (when, self._seq, fn))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or
-                                            self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(wait)
-                if self._closed:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            fn()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(5.0)
 
 
 def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]]
-          ) -> DiskTier:
+          ) -> TierDriver:
     """The disk tier of a daemon's ``config`` (``disk`` set); RuntimeError when its
     directory is taken by another daemon."""
     disk = config.disk
     assert disk is not None
     try:
-        tier = DiskTier(disk, config.capacity_bytes, loop, tenants,
-                        reservation_ttl_s=config.reservation_ttl_s)
+        engine = DiskEngine(disk, config.capacity_bytes)
     except DiskStoreLocked as exc:
         raise RuntimeError(f"disk tier: {exc}") from exc
+    tier = TierDriver(engine, loop, DriverSettings(
+        read_workers=disk.io_threads, write_workers=max(1, disk.io_threads // 2),
+        max_op_s=config.reservation_ttl_s / 2, inflight_bytes=disk.inflight_bytes,
+        tenant_share=0.25, queue_bytes=disk.queue_bytes, bound_setting="disk.queue",
+        flush_on_stop_s=disk.flush_on_stop_s), tenants)
     logger.info("ems-server: disk tier in %s: capacity %d MiB, admission %s, checkpoint "
                 "every %g s", disk.path, disk.capacity_bytes >> 20, disk.admission,
                 disk.checkpoint_s)

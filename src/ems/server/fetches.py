@@ -114,7 +114,7 @@ class FetchBook:
             if waiting.pending == 0:
                 waiting.done()
 
-    def abort_late(self, fetch: Fetch, index: int) -> None:
-        """The transfer of a key that :meth:`finish` left running has returned: free its
-        space (its bytes were never shown to anyone)."""
-        fetch.tenant.pool.abort([fetch.reserved[index].grant.token], self.owner)
+    def abort_late(self, fetch: Fetch, indexes: Sequence[int]) -> None:
+        """The transfers of keys that :meth:`finish` left running have returned: free
+        their space (their bytes were never shown to anyone)."""
+        fetch.tenant.pool.abort([fetch.reserved[i].grant.token for i in indexes], self.owner)

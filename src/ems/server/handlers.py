@@ -43,7 +43,7 @@ from ems.protocol import messages as m
 from ems.server.config import Limits
 from ems.server.session import Reservation, Session
 from ems.server.tenants import Tenant
-from ems.server.tiers import Extent, Tier
+from ems.server.tiers import Extent, Observer, Tier
 
 __all__ = ["BUDGET_SHARE", "Handlers", "Output"]
 
@@ -73,12 +73,15 @@ class Handlers:
     """The tenant requests of every session (on the event loop)."""
 
     def __init__(self, limits: Limits, tiers: Sequence[Tier], output: Output,
-                 refused: collections.Counter) -> None:
+                 refused: collections.Counter, observers: Sequence[Observer] = ()) -> None:
         self.limits = limits
         self.tiers = list(tiers)
         self._local_tiers = [t for t in self.tiers if t.local]
-        self._stored_tiers = [t for t in self.tiers if t.wants_stored]
-        self._evicted_tiers = [t for t in self.tiers if t.wants_evicted]
+        #: told of new objects / evictions: the tiers that want it, then the observers
+        self._stored_tiers: list[Tier | Observer] = [t for t in self.tiers if t.wants_stored]
+        self._stored_tiers += observers
+        self._evicted_tiers: list[Tier | Observer] = [t for t in self.tiers if t.wants_evicted]
+        self._evicted_tiers += observers
         self._through: Optional[Tier] = next(
             (t for t in self.tiers if t.takes_saves_through), None)
         #: sessions remember their reservations only where a Commit must know them
@@ -180,8 +183,8 @@ class Handlers:
     def _stored_here(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
         """Objects another host's save brought into shared memory (a cluster fill): the
         local tiers keep them too, so a restart of this host still finds them here."""
-        for tier in self._stored_tiers:
-            if tier.local:
+        for tier in self._local_tiers:
+            if tier.wants_stored:
                 tier.stored(tenant, keys, sizes)
 
     # ------------------------------------------------------------ handlers

@@ -9,8 +9,8 @@ Accept under fd pressure (EMFILE): the listener stays readable while accept fail
 polling it again at once spins a core (and, logging each failure, wrote megabytes of
 log per second). Instead the daemon closes the oldest connection that never finished
 its handshake, stops polling the listener for a backoff (50 ms doubling to 1 s, reset
-by the next successful accept) and warns at most once per ``WARN_EVERY_S``; the
-connected clients are served meanwhile::
+by the next successful accept) and warns at most once per ``WARN_EVERY_S``
+(``ems.server.ratelimit``); the connected clients are served meanwhile::
 
     LISTENING --accept fails: EMFILE--> PAUSED (listener out of epoll, backoff)
         ^                                  |
@@ -28,7 +28,9 @@ import struct
 import time
 from typing import Callable, Iterator, Optional
 
-__all__ = ["Listener", "ListenError", "RateLimitedLog", "WARN_EVERY_S"]
+from ems.server.ratelimit import RateLimitedLog
+
+__all__ = ["Listener", "ListenError"]
 
 logger = logging.getLogger("ems.server.daemon")
 
@@ -36,31 +38,12 @@ _PEERCRED = struct.Struct("3i")
 #: accept failures that mean "no fd or memory for a new connection now"
 _PRESSURE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.05, 1.0
-WARN_EVERY_S = 10.0
 #: connections taken per readable event (the others wait for the next poll)
 _ACCEPT_BATCH = 64
 
 
 class ListenError(Exception):
     """The socket path cannot be taken (the daemon reports it and does not start)."""
-
-
-class RateLimitedLog:
-    """A warning at most once per ``WARN_EVERY_S`` (with how many were held back)."""
-
-    def __init__(self) -> None:
-        self._warned_at = -WARN_EVERY_S
-        self._unwarned = 0
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at < WARN_EVERY_S:
-            self._unwarned += 1
-            return
-        if self._unwarned:
-            message += f" ({self._unwarned} similar message(s) suppressed)"
-        logger.warning("%s", message)
-        self._warned_at, self._unwarned = now, 0
 
 
 class Listener:

@@ -3,8 +3,10 @@
 The tenant's pool in shared memory (``ems.pool.core``) is the tier every request
 starts and ends in: clients copy only to and from it. Other tiers (the local disk,
 ``ems.server.disk_tier``; the Valkey Cluster shared by every host,
-``ems.server.cluster_tier``) implement :class:`Tier` and are called by the request
-handlers (``ems.server.handlers``) at the points where a request can go beyond
+``ems.server.cluster_tier``) are engines behind one ``ems.server.tier_driver.
+TierDriver``, which implements :class:`Tier` and keeps their books (workers,
+deadlines, fetches, pins, write-out bounds, counters); the request handlers
+(``ems.server.handlers``) call it at the points where a request can go beyond
 shared memory:
 
 ==============  ==============================================  ======================
@@ -29,6 +31,9 @@ attributes (vLLM's connector base does the same: ``SupportsHMA``): :attr:`Tier.l
 order (disk before cluster); each tier fills shared memory with the leading keys it
 has, the handler pins them and hands what is still missing to the next one.
 
+What only watches the pools (KV events) is an :class:`Observer`, told of the same
+new objects and evictions, and never asked to load, count or save.
+
 A tier never answers a client, never touches a session's state and never imports
 another tier: it is told what to do and calls ``done`` on the event loop (through
 :class:`Loop`) when its part is over. It may use its tenant's pool with owners of its
@@ -45,7 +50,7 @@ from typing import Callable, ClassVar, Optional, Protocol, Sequence
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "Report", "Tier", "TierCounters"]
+__all__ = ["Extent", "Loop", "Observer", "Report", "Tier", "TierCounters"]
 
 #: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
 Report = dict[str, object]
@@ -56,6 +61,9 @@ class Loop(Protocol):
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the event loop soon (callable from any thread)."""
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the event loop at monotonic time ``when`` (any thread)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +135,27 @@ class Tier:
         """The daemon stops (after the last request was answered)."""
 
 
+class Observer:
+    """Watches what shared memory stores and evicts (KV events: ``ems.server.
+    events_observer``): holds no bytes and handles no load, count or save, so the
+    handlers never walk it as a tier. Every hook is optional (neutral defaults)."""
+
+    #: its name in the daemon's report
+    name: ClassVar[str] = "observer"
+
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        """A save's NEW keys were committed in ``tenant``'s pool (``hashes``: the
+        engine's block hash of each key, where the save carried them)."""
+
+    def evicted(self, tenant: Tenant, key: str, size: int) -> None:
+        """``key`` left ``tenant``'s pool to make room for another."""
+
+    def report(self) -> Optional[Report]:
+        """Its part of the daemon's report (``report()[name]``)."""
+        return None
+
+
 class TierCounters:
     """A tier's counters, in all and per tenant (updated by its workers and its loop
     side: one lock)."""
@@ -152,12 +181,3 @@ class TierCounters:
     def of(self, tenant: Tenant) -> dict[str, int]:
         with self._lock:
             return dict(self._per_tenant.get(tenant.name, {}))
-
-    @staticmethod
-    def lookups(row: dict[str, int]) -> Report:
-        """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
-        hits, misses = row.get("hits", 0), row.get("misses", 0)
-        return {"hits": hits, "misses": misses,
-                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                "bytes_in": row.get("bytes_in", 0), "writes": row.get("writes", 0),
-                "bytes_out": row.get("bytes_out", 0)}

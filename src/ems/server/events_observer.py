@@ -1,8 +1,9 @@
-"""KV events as an observer on the tier seam: what the host's shared memory stores and
+"""KV events as an observer of the pools: what the host's shared memory stores and
 evicts, published by ``ems.server.kv_events`` in vLLM's own format.
 
-Not a place where bytes live: it handles no load, count or save, and only watches the
-pools through the seam's hooks (:meth:`Tier.stored`, :meth:`Tier.evicted`):
+Not a place where bytes live: it handles no load, count or save (so it is an
+``ems.server.tiers.Observer``, not a tier), and only watches the pools through the
+observer's hooks (:meth:`Observer.stored`, :meth:`Observer.evicted`):
 
 * a save's NEW keys that came with the engine's block hashes (``hashes`` of Reserve /
   Put) -> ``BlockStored`` (medium ``ems-shm``: CPU, LOCAL);
@@ -20,20 +21,18 @@ from typing import ClassVar, Optional, Sequence
 
 from ems.server.kv_events import KvEventPublisher
 from ems.server.tenants import Tenant
-from ems.server.tiers import Report, Tier
+from ems.server.tiers import Observer, Report
 
-__all__ = ["EventsTier"]
+__all__ = ["EventsObserver"]
 
 SHM = "ems-shm"
 
 
-class EventsTier(Tier):
+class EventsObserver(Observer):
     """See the module docstring (hooks on the event loop; the publisher never blocks:
     it queues for its own thread)."""
 
     name: ClassVar[str] = "kv_events"
-    wants_stored: ClassVar[bool] = True
-    wants_evicted: ClassVar[bool] = True
 
     def __init__(self, publisher: KvEventPublisher) -> None:
         self.publisher = publisher

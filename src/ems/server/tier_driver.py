@@ -1,0 +1,704 @@
+"""The tier driver: the books of a tier beyond shared memory, kept once.
+
+A tier beyond shared memory (the local disk, ``ems.server.disk_tier``; the Valkey
+Cluster, ``ems.server.cluster_tier``) is an :class:`Engine`: it looks keys up, reads a
+value into memory it is given, writes a value from memory it is given, and reports.
+Everything around that is the same for every engine and is written here once
+(vLLM's ``v1/kv_offload`` splits it so: the manager keeps placement and pins, the
+handler only moves bytes; CacheLib's Navy puts each engine behind one interface with
+admission as a policy class). :class:`TierDriver` implements the request handlers'
+tier seam (``ems.server.tiers.Tier``) for one engine and owns:
+
+* **executors**: readers and writers apart, so a load never waits for a worker held by
+  a write-out to a slow disk or a hung node;
+* **deadlines**: a request's deadline, capped by ``max_op_s`` (a fetch writes into a
+  reservation, which must not expire under it: at most half the reservation TTL),
+  kept by the daemon's loop (:meth:`Loop.call_at`), not by a thread of its own;
+* **fetches** into shared memory: planning and de-duplication, commit and abort
+  (``ems.server.fetches.FetchBook``), transfers still running at the deadline;
+* **write-out**: admission (:class:`Admission`, a small policy), the bytes waiting
+  (``queue_bytes``; past it a save is not written there, counted as ``dropped``), the
+  values pinned in shared memory while written, bounded in all (``inflight_bytes``)
+  and per tenant (``tenant_share`` of its pool: a slow engine never makes shared
+  memory refuse saves), a flush of what the engine lacks at stop;
+* **counters** in all and per tenant, one rate-limited warning per reason, the
+  latency of the engine's calls.
+
+A fetch, step by step (the loop owns the book; the engine runs on a reader)::
+
+    loop:    lookup (the engine's index, no I/O) -> the leading run it holds
+             plan: a key another request fetches now -> wait for that fetch;
+                   else reserve it (NEW) -> this request's fetch; else the run ends
+    reader:  read into the reserved memory (per key on its own reader, or the
+             whole fetch in one batch: ``Engine.parallel_reads``)
+    loop:    the last read returned, or the deadline (call_at), whichever first:
+             commit the whole ones, abort the others, wake every waiter; a read
+             still running then keeps its reservation and is aborted when it
+             returns, so its bytes are never shown to anyone
+
+A write-out, step by step::
+
+    loop:    admitted? -> fits in flight now (and nothing waits)? -> start
+             else room in the queue? -> wait there; else dropped (counted, warned)
+    start:   already held by the engine? -> skip; pin it (gone? counted) -> writer
+    writer:  write from the pinned memory (no copy beyond the engine's own)
+    loop:    unpin, count the outcome, start what now fits
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, ClassVar, Iterable, Optional, Protocol, Sequence
+
+from ems.disk.stats import LatencyWindow
+from ems.pool.core import Pin
+from ems.server.fetches import Fetch, FetchBook
+from ems.server.memory import SegmentMaps
+from ems.server.ratelimit import RateLimitedLog
+from ems.server.tenants import Tenant
+from ems.server.tiers import Extent, Loop, Report, Tier, TierCounters
+
+__all__ = ["Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
+           "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
+
+logger = logging.getLogger(__name__)
+
+
+def leading(present: Iterable[bool]) -> int:
+    """How many of ``present``, from the first, are true (a leading run)."""
+    n = 0
+    for hit in present:
+        if not hit:
+            break
+        n += 1
+    return n
+
+
+class ReadOutcome(enum.Enum):
+    """What a read into shared memory came to."""
+
+    HIT = "hit"  # the whole value, checked
+    MISS = "miss"
+    TIMEOUT = "timeout"  # the deadline passed; the memory may hold part of the value
+    DAMAGED = "damaged"
+    IO_ERROR = "io_error"
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What a write came to: ``stored``, or the reason it was not (counted as
+    ``refused_<reason>``; ``warning``: a line to log, rate-limited per reason)."""
+
+    stored: bool
+    reason: str = ""
+    warning: Optional[str] = None
+
+
+WRITTEN = Written(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A key and the memory its value is read into or written from."""
+
+    key: str
+    memory: memoryview
+
+
+class Admission(Protocol):
+    """Which new objects of shared memory are written out (on the loop)."""
+
+    def admit(self, tenant: Tenant, key: str) -> bool:
+        """Whether ``key``, just stored in ``tenant``'s pool, is written out."""
+
+
+class AdmitAll:
+    """Every object."""
+
+    def admit(self, tenant: Tenant, key: str) -> bool:
+        return True
+
+
+class SecondHit:
+    """Only a key saved again after it left shared memory (one worth keeping): the
+    first save of a key is remembered, in a bounded LRU of ``remember`` keys."""
+
+    def __init__(self, remember: int = 1 << 18) -> None:
+        self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._remember = remember
+
+    def admit(self, tenant: Tenant, key: str) -> bool:
+        seen = self._seen
+        if (tenant.name, key) in seen:
+            del seen[(tenant.name, key)]
+            return True
+        seen[(tenant.name, key)] = None
+        if len(seen) > self._remember:
+            seen.popitem(last=False)
+        return False
+
+
+class Engine:
+    """Where a tier's bytes live, behind the driver. Every operation is optional and
+    its default is neutral; the batched ones are built on the single ones, so an
+    override is an optimisation with the same contract. ``lookup`` runs on the loop
+    (no I/O); the reads, writes and probes on the driver's workers."""
+
+    #: its name in reports, metrics and pool owners (``disk``, ``cluster``)
+    name: ClassVar[str] = "engine"
+    #: this host's own (``read_local_only`` loads, a local ``exists``)
+    local: ClassVar[bool] = False
+    #: takes saves with ``write_rcache`` False (the driver's ``save_through``)
+    takes_saves_through: ClassVar[bool] = False
+    #: a fetch's keys read each on its own reader (True) or in one batch (False)
+    parallel_reads: ClassVar[bool] = True
+    #: a save's keys written out in one batch (True) or each on its own (False)
+    batch_writes: ClassVar[bool] = False
+    admission: Admission = AdmitAll()
+
+    def usable(self) -> bool:
+        """False: the engine is off; the driver then handles nothing."""
+        return True
+
+    def ready(self) -> bool:
+        """False while the engine cannot answer yet (the disk recovering)."""
+        return True
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block (on a worker) until :meth:`ready` or ``timeout_s`` passed."""
+
+    def opened(self, tenant: Tenant) -> None:
+        """The driver meets ``tenant`` for the first time (before its first write)."""
+
+    def lookup(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]]
+               ) -> Optional[list[int]]:
+        """The sizes of the leading run of ``keys`` held (of ``sizes`` where given),
+        from the engine's index without I/O; None: it cannot tell without I/O (a
+        remote engine: the driver then reads or :meth:`probe`\\ s to find out)."""
+        return None
+
+    def probe(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+              deadline: float) -> list[bool]:
+        """Which of ``keys`` are held (with I/O, by ``deadline``); default: none."""
+        return [False] * len(keys)
+
+    def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
+        """Read ``target.key``'s value into ``target.memory`` (exactly its size)."""
+        return ReadOutcome.MISS
+
+    def read_batch(self, tenant: Tenant, targets: Sequence[Target], deadline: float
+                   ) -> list[ReadOutcome]:
+        return [self.read(tenant, t, deadline) for t in targets]
+
+    def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
+        """Store ``source.memory`` as ``source.key``'s value."""
+        return Written(False, "unsupported")
+
+    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
+                    deadline: Optional[float]) -> list[Written]:
+        return [self.write(tenant, s, deadline) for s in sources]
+
+    def report(self, books: DriverStatistics) -> Optional[Report]:
+        """The tier's part of the daemon's report, from the driver's ``books``."""
+        return None
+
+    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Optional[Report]:
+        """One tenant's row (``tenants[name]["tiers"][engine name]``)."""
+        return books.lookups_row()
+
+    def close(self) -> None:
+        """The daemon stops (the driver's workers are done)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DriverSettings:
+    """How a driver bounds its engine's work."""
+
+    #: reader and writer threads
+    read_workers: int = 4
+    write_workers: int = 4
+    #: a read, probe or save-through gets at most this long (s), whatever the request
+    max_op_s: float = 30.0
+    #: the deadline of a write-out (s; None: the engine's own)
+    write_out_s: Optional[float] = None
+    #: bytes pinned and being written out, in all
+    inflight_bytes: int = 64 << 20
+    #: share of a tenant's pool pinned for write-out (None: only ``inflight_bytes``)
+    tenant_share: Optional[float] = None
+    #: bytes waiting to be written out (0: none wait, past the bound a save is dropped)
+    queue_bytes: int = 0
+    #: the setting that bounds the bytes in flight or waiting (named in the warning)
+    bound_setting: str = "inflight_bytes"
+    #: at stop, write what shared memory holds and the engine lacks, for at most (s)
+    flush_on_stop_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DriverStatistics:
+    """The driver's counters of one engine (in all, or of one tenant: then the
+    queue and latency figures are 0)."""
+
+    lookups: int
+    hits: int
+    misses: int
+    bytes_in: int
+    writes: int
+    bytes_out: int
+    #: writes not done, by reason (the engine's ``Written.reason``)
+    refused: dict[str, int]
+    #: saves past the queue or in-flight bound, not written out
+    dropped: int
+    not_admitted: int
+    evicted_before_write: int
+    read_timeouts: int
+    read_damaged: int
+    read_io_errors: int
+    flushed_on_stop: int
+    batches: int
+    queued_bytes: int
+    inflight_bytes: int
+    latency_p50_ms: float
+    latency_p99_ms: float
+    latency_max_ms: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    def lookups_row(self) -> Report:
+        """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
+                "bytes_in": self.bytes_in, "writes": self.writes,
+                "bytes_out": self.bytes_out}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A write-out waiting: a save's keys (one, unless the engine writes in batches)."""
+
+    tenant: Tenant
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    size: int
+
+
+class TierDriver(Tier):
+    """The tier seam for one :class:`Engine` (module docstring). Hooks run on the
+    event loop; the engine's I/O on the driver's workers."""
+
+    def __init__(self, engine: Engine, loop: Loop, settings: DriverSettings,
+                 tenants: Callable[[], Iterable[Tenant]] = lambda: ()) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.name = engine.name  # type: ignore[misc]
+        self.local = engine.local  # type: ignore[misc]
+        self.takes_saves_through = engine.takes_saves_through  # type: ignore[misc]
+        self.wants_stored = True  # type: ignore[misc]
+        self._loop = loop
+        self._tenants = tenants
+        self._readers = ThreadPoolExecutor(settings.read_workers,
+                                           thread_name_prefix=f"ems-{engine.name}-read")
+        self._writers = ThreadPoolExecutor(settings.write_workers,
+                                           thread_name_prefix=f"ems-{engine.name}-write")
+        self._memory = SegmentMaps()
+        self._fetches = FetchBook((f"ems-{engine.name}", "fetch"))
+        self._write_owner = (f"ems-{engine.name}", "write")
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queued_bytes = 0
+        self._inflight_bytes = 0
+        self._inflight_per_tenant: dict[str, int] = {}
+        self._met: set[str] = set()
+        self._counters = TierCounters()
+        self._latency = LatencyWindow(512)
+        self._max_latency_s = 0.0
+        self._warnings: dict[str, RateLimitedLog] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------ plumbing
+    def _usable(self) -> bool:
+        return not self._closed and self.engine.usable()
+
+    def _deadline(self, deadline: Optional[float]) -> float:
+        """A request's deadline, capped by ``max_op_s``."""
+        cap = time.monotonic() + self.settings.max_op_s
+        return cap if deadline is None else min(deadline, cap)
+
+    def _warn(self, reason: str, message: str) -> None:
+        log = self._warnings.get(reason)
+        if log is None:
+            log = self._warnings[reason] = RateLimitedLog(logger)
+        log.warn(f"ems {self.engine.name}: {message}")
+
+    def _timed(self, started: float) -> None:
+        took = time.monotonic() - started
+        self._latency.add(took)
+        self._max_latency_s = max(self._max_latency_s, took)  # (a race loses a max only)
+        self._counters.add(batches=1)
+
+    def _when_ready(self, deadline: float, then: Callable[[], None]) -> None:
+        """Run ``then`` on the loop once the engine is ready or ``deadline`` passed
+        (the wait happens on a reader, never on the loop)."""
+        def wait() -> None:
+            self.engine.wait_ready(deadline - time.monotonic())
+            self._loop.call_soon(then)
+        self._readers.submit(wait)
+
+    def _meet(self, tenant: Tenant) -> None:
+        if tenant.name not in self._met:
+            self._met.add(tenant.name)
+            self.engine.opened(tenant)
+
+    # ------------------------------------------------------------ loads
+    def fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+             deadline: Optional[float], done: Callable[[], None]) -> bool:
+        """Bring the leading keys the engine holds into the tenant's pool (module doc);
+        a load that arrives before the engine is ready waits within its deadline."""
+        if not self._usable():
+            return False
+        limit = self._deadline(deadline)
+        if not self.engine.ready():
+            def retry() -> None:
+                if not self._fill(tenant, keys, sizes, limit, done):
+                    done()
+            self._when_ready(limit, retry)
+            return True
+        return self._fill(tenant, keys, sizes, limit, done)
+
+    def _fill(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+              deadline: float, done: Callable[[], None]) -> bool:
+        if not self._usable():
+            return False
+        run = self.engine.lookup(tenant, keys, sizes)
+        if run is None:  # found out by reading: a value's size is needed to reserve it
+            if sizes is None:
+                return False
+            run = list(sizes)
+        if not run:
+            self._counters.add(tenant, lookups=1, misses=1)
+            return False
+        return self._fetches.plan(tenant, keys[:len(run)], run, done,
+                                  lambda fetch: self._read(fetch, deadline))
+
+    def _read(self, fetch: Fetch, deadline: float) -> None:
+        """Read the fetch's keys into their reservations, on the readers.
+
+        The fetch finishes on the loop when the last read returned or at ``deadline``,
+        whichever comes first: a read still running then (one I/O cannot be
+        interrupted) keeps its reservation until it returns, and is then aborted; the
+        request is answered by its deadline without it, and its bytes never become
+        visible."""
+        tenant, engine = fetch.tenant, self.engine
+        reserved = fetch.reserved
+        results: list[Optional[ReadOutcome]] = [None] * len(reserved)
+        left = [len(reserved)]
+        finished = [False]
+        lock = threading.Lock()
+
+        def finish() -> None:  # on the loop: the last read returned, or the deadline
+            with lock:
+                if finished[0]:
+                    return
+                finished[0] = True
+                now = list(results)
+            late = [i for i, r in enumerate(now) if r is None]
+            ok = [r is ReadOutcome.HIT for r in now]
+            hits = sum(ok)
+            self._counters.add(
+                tenant, lookups=len(ok), hits=hits, misses=len(ok) - hits,
+                bytes_in=sum(r.grant.size for r, good in zip(reserved, ok) if good),
+                read_timeouts=len(late) + now.count(ReadOutcome.TIMEOUT),
+                read_damaged=now.count(ReadOutcome.DAMAGED),
+                read_io_errors=now.count(ReadOutcome.IO_ERROR))
+            self._fetches.finish(fetch, ok, late)
+
+        def job(indexes: list[int]) -> None:
+            started = time.monotonic()
+            outcomes: list[ReadOutcome]
+            views: list[memoryview] = []
+            try:
+                for i in indexes:
+                    grant = reserved[i].grant
+                    views.append(self._memory.view(tenant, grant.offset, grant.size))
+                outcomes = engine.read_batch(
+                    tenant, [Target(reserved[i].key, v) for i, v in zip(indexes, views)],
+                    deadline)
+            except Exception:  # noqa: BLE001 - a bug is a miss, never a stuck request
+                logger.exception("ems %s: a read failed", engine.name)
+                outcomes = [ReadOutcome.IO_ERROR] * len(indexes)
+            finally:
+                for v in views:
+                    v.release()
+            self._timed(started)
+            with lock:
+                if finished[0]:  # answered without them: give their space back
+                    self._loop.call_soon(lambda: self._fetches.abort_late(fetch, indexes))
+                    return
+                for i, outcome in zip(indexes, outcomes):
+                    results[i] = outcome
+                left[0] -= len(indexes)
+                last = left[0] == 0
+            if last:
+                self._loop.call_soon(finish)
+
+        self._loop.call_at(deadline, finish)
+        n = len(reserved)
+        for indexes in ([[i] for i in range(n)] if engine.parallel_reads else [list(range(n))]):
+            self._readers.submit(job, indexes)
+
+    def count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+              deadline: Optional[float], done: Callable[[int], None]) -> bool:
+        """The leading keys the engine holds: from its index (no I/O), else probed on
+        a reader; waits for an engine not ready yet within the deadline."""
+        if not self._usable():
+            return False
+        limit = self._deadline(deadline)
+        if not self.engine.ready():
+            self._when_ready(limit, lambda: self._count(tenant, keys, sizes, limit, done))
+        else:
+            self._count(tenant, keys, sizes, limit, done)
+        return True
+
+    def _count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
+               deadline: float, done: Callable[[int], None]) -> None:
+        run = self.engine.lookup(tenant, keys, sizes) if self._usable() else []
+        if run is not None:
+            done(len(run))
+            return
+
+        def probe() -> None:
+            started = time.monotonic()
+            try:
+                present = self.engine.probe(tenant, keys, sizes, deadline)
+            except Exception:  # noqa: BLE001 - the answer still comes (none present)
+                logger.exception("ems %s: a probe failed", self.engine.name)
+                present = []
+            self._timed(started)
+            self._loop.call_soon(lambda: done(leading(present)))
+        self._readers.submit(probe)
+
+    # ------------------------------------------------------------ writes
+    def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        """Write the new objects of a save out (admission, then the bounds)."""
+        if not self._usable():
+            return
+        self._meet(tenant)
+        admission = self.engine.admission
+        admitted: list[tuple[str, int]] = []
+        for key, size in zip(keys, sizes):
+            if admission.admit(tenant, key):
+                admitted.append((key, size))
+            else:
+                self._counters.add(tenant, not_admitted=1)
+        if not admitted:
+            return
+        groups = [admitted] if self.engine.batch_writes else [[a] for a in admitted]
+        for group in groups:
+            self._offer(_Pending(tenant, tuple(k for k, _ in group), tuple(s for _, s in group),
+                                 sum(s for _, s in group)))
+
+    def _offer(self, p: _Pending) -> None:
+        if not self._queue and self._fits(p):
+            self._start(p)
+        elif self._queued_bytes + p.size <= self.settings.queue_bytes:
+            self._queue.append(p)
+            self._queued_bytes += p.size
+        else:
+            self._counters.add(p.tenant, dropped=len(p.keys))
+            self._warn("dropped", f"{self._queued_bytes + self._inflight_bytes} bytes wait "
+                                  f"or are being written, the bound "
+                                  f"({self.settings.bound_setting}): saves are not written "
+                                  f"out until it drains (counted as dropped)")
+
+    def _fits(self, p: _Pending) -> bool:
+        """Whether ``p`` may start now. A value being written is pinned in shared
+        memory, where it cannot be evicted: ``tenant_share`` of a tenant's pool at
+        most is pinned so (and ``inflight_bytes`` in all), so an engine slower than
+        the saves never makes shared memory refuse them. With a queue, one value
+        larger than the bounds goes alone (it could never leave the queue else)."""
+        settings, inflight = self.settings, self._inflight_bytes
+        if not inflight and settings.queue_bytes:
+            return True
+        if inflight + p.size > settings.inflight_bytes:
+            return False
+        mine = self._inflight_per_tenant.get(p.tenant.name, 0)
+        share = settings.tenant_share
+        return share is None or not mine or (
+            mine + p.size <= int(p.tenant.pool.capacity_bytes * share))
+
+    def _pump(self) -> None:
+        """Start queued write-outs while the bounds allow (on the loop)."""
+        queue = self._queue
+        while queue and self._fits(queue[0]):
+            p = queue.popleft()
+            self._queued_bytes -= p.size
+            self._start(p)
+
+    def _start(self, p: _Pending) -> None:
+        """Pin what is still to be written (not held by the engine, still in shared
+        memory) and hand it to a writer."""
+        tenant, engine = p.tenant, self.engine
+        keys: list[str] = []
+        pins: list[Pin] = []
+        for key, size in zip(p.keys, p.sizes):
+            if engine.lookup(tenant, [key], [size]):
+                continue  # held already
+            got = tenant.pool.acquire([key], [size], self._write_owner, count=False)
+            if not got:  # evicted (or deleted) before its turn
+                self._counters.add(tenant, evicted_before_write=1)
+                continue
+            keys.append(key)
+            pins.append(got[0])
+        if not pins:
+            return
+        held = sum(pin.size for pin in pins)
+        self._inflight_bytes += held
+        self._inflight_per_tenant[tenant.name] = (
+            self._inflight_per_tenant.get(tenant.name, 0) + held)
+        out_s = self.settings.write_out_s
+        deadline = None if out_s is None else time.monotonic() + out_s
+
+        def written(outcomes: list[Written]) -> None:
+            tenant.pool.release([pin.token for pin in pins], self._write_owner)
+            self._inflight_bytes -= held
+            self._inflight_per_tenant[tenant.name] -= held
+            self._pump()
+        self._write(tenant, keys, [Extent(pin.offset, pin.size) for pin in pins], deadline,
+                    written)
+
+    def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
+                     deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
+        """A save with ``write_rcache`` False: to the engine only (no local copy)."""
+        if not self.engine.takes_saves_through or not self._usable():
+            return False
+        self._write(tenant, keys, extents, self._deadline(deadline),
+                    lambda outcomes: done([w.stored for w in outcomes]))
+        return True
+
+    def _write(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
+               deadline: Optional[float], then: Callable[[list[Written]], None]) -> None:
+        """Write each key from its pool memory on a writer; count, then ``then`` on the
+        loop (a failure is an outcome, never a stuck pin)."""
+        engine = self.engine
+
+        def job() -> None:
+            started = time.monotonic()
+            views: list[memoryview] = []
+            outcomes: list[Written]
+            try:
+                for e in extents:
+                    views.append(self._memory.view(tenant, e.offset, e.size))
+                outcomes = engine.write_batch(
+                    tenant, [Target(k, v) for k, v in zip(keys, views)], deadline)
+            except Exception:  # noqa: BLE001 - a bug is a write not done
+                logger.exception("ems %s: a write failed", engine.name)
+                outcomes = [Written(False, "io_error")] * len(keys)
+            finally:
+                for v in views:
+                    v.release()
+            self._timed(started)
+            self._loop.call_soon(lambda: done(outcomes))
+
+        def done(outcomes: list[Written]) -> None:
+            for w, e in zip(outcomes, extents):
+                if w.stored:
+                    self._counters.add(tenant, writes=1, bytes_out=e.size)
+                else:
+                    self._counters.add(tenant, **{f"refused_{w.reason}": 1})
+                    if w.warning:
+                        self._warn(w.reason, w.warning)
+            then(outcomes)
+        self._writers.submit(job)
+
+    # ------------------------------------------------------------ report
+    def statistics(self, tenant: Optional[Tenant] = None) -> DriverStatistics:
+        """The driver's figures, in all or of ``tenant``."""
+        c = self._counters.totals() if tenant is None else self._counters.of(tenant)
+        whole = tenant is None
+
+        def ms(seconds: Optional[float]) -> float:
+            return round(seconds * 1000, 3) if seconds is not None and whole else 0.0
+        return DriverStatistics(
+            lookups=c.get("lookups", 0), hits=c.get("hits", 0), misses=c.get("misses", 0),
+            bytes_in=c.get("bytes_in", 0), writes=c.get("writes", 0),
+            bytes_out=c.get("bytes_out", 0),
+            refused={k[len("refused_"):]: v for k, v in c.items() if k.startswith("refused_")},
+            dropped=c.get("dropped", 0), not_admitted=c.get("not_admitted", 0),
+            evicted_before_write=c.get("evicted_before_write", 0),
+            read_timeouts=c.get("read_timeouts", 0), read_damaged=c.get("read_damaged", 0),
+            read_io_errors=c.get("read_io_errors", 0),
+            flushed_on_stop=c.get("flushed_on_stop", 0), batches=c.get("batches", 0),
+            queued_bytes=self._queued_bytes if whole else 0,
+            inflight_bytes=self._inflight_bytes if whole else 0,
+            latency_p50_ms=ms(self._latency.quantile(0.5)),
+            latency_p99_ms=ms(self._latency.quantile(0.99)),
+            latency_max_ms=ms(self._max_latency_s))
+
+    def report(self) -> Optional[Report]:
+        return self.engine.report(self.statistics())
+
+    def tenant_report(self, tenant: Tenant) -> Optional[Report]:
+        return self.engine.tenant_report(tenant, self.statistics(tenant))
+
+    # ------------------------------------------------------------ stop
+    def close(self) -> None:
+        """Flush what shared memory holds and the engine lacks (``flush_on_stop_s``),
+        stop the workers (their reads end by their deadlines; their completions are
+        queued on the loop, which runs them next), then the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.settings.flush_on_stop_s > 0 and self.engine.usable() and self.engine.ready():
+            self._flush(time.monotonic() + self.settings.flush_on_stop_s)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        self._writers.shutdown(wait=True)
+        self.engine.close()
+        self._loop.call_soon(self._memory.close)  # after the completions queued before
+
+    def _flush(self, deadline: float) -> None:
+        """On the loop, which has stopped serving: pin every object the engine lacks,
+        write them on the writers, wait until ``deadline``, unpin."""
+        self._queue.clear()
+        self._queued_bytes = 0
+        jobs: list[tuple[Tenant, str, Pin]] = []
+        for tenant in self._tenants():
+            self._meet(tenant)
+            pool = tenant.pool
+            for key in pool.keys():
+                if not isinstance(key, str) or self.engine.lookup(tenant, [key], None):
+                    continue
+                got = pool.acquire([key], None, self._write_owner, count=False)
+                if got:
+                    jobs.append((tenant, key, got[0]))
+
+        def write(tenant: Tenant, key: str, pin: Pin) -> bool:
+            if time.monotonic() >= deadline:
+                return False
+            view = self._memory.view(tenant, pin.offset, pin.size)
+            try:
+                return self.engine.write(tenant, Target(key, view), deadline).stored
+            finally:
+                view.release()
+
+        futures = [self._writers.submit(write, *job) for job in jobs]
+        done, late = concurrent.futures.wait(futures,
+                                             timeout=max(0.0, deadline - time.monotonic()))
+        for f in late:
+            f.cancel()
+        flushed = sum(1 for f in done if not f.cancelled() and f.exception() is None
+                      and f.result())
+        self._counters.add(flushed_on_stop=flushed)
+        if jobs:
+            logger.info("ems %s: wrote %d of %d objects of shared memory at stop (%s)",
+                        self.engine.name, flushed, len(jobs), "all" if flushed == len(jobs)
+                        else f"flush_on_stop_s {self.settings.flush_on_stop_s:g} s reached")
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        for tenant, _, pin in jobs:
+            tenant.pool.release([pin.token], self._write_owner)

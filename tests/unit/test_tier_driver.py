@@ -1,0 +1,275 @@
+"""The tier driver (``ems.server.tier_driver``) around an engine of this test's own that
+keeps its values in a dict, on a real pool and the driver's real workers, with a loop
+run by the test: a fill brings the leading run and counts it; two loads of the same
+keys read them once; a read past its deadline is answered at the deadline and its
+reservation given back when it returns, its bytes never committed; write-out waits
+in the queue past the in-flight bound and is dropped past the queue, pins given back;
+second-hit admission; a load waits for an engine not ready yet; the stop flush."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, ClassVar, Optional, Sequence
+
+import pytest
+
+from ems.server.config import TenantSpec
+from ems.server.memory import SegmentMaps
+from ems.server.tenants import Tenant
+from ems.server.tier_driver import (
+    WRITTEN,
+    DriverSettings,
+    Engine,
+    ReadOutcome,
+    SecondHit,
+    Target,
+    TierDriver,
+    Written,
+)
+
+SIZE = 1000
+
+
+class HandLoop:
+    """The daemon's loop as the driver sees it, run by the test (``run_until``)."""
+
+    def __init__(self) -> None:
+        self._soon: collections.deque[Callable[[], None]] = collections.deque()
+        self._at: list[tuple[float, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._soon.append(fn)
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._at.append((when, fn))
+
+    def drain(self) -> None:
+        """Run what is queued on the loop now."""
+        while self._soon:
+            self._soon.popleft()()
+
+    def run_until(self, done: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        end = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < end, "the driver never got there"
+            self.drain()
+            now = time.monotonic()
+            with self._lock:
+                due = [fn for when, fn in self._at if when <= now]
+                self._at = [(w, fn) for w, fn in self._at if w > now]
+            for fn in due:
+                fn()
+            time.sleep(0.001)
+
+
+class DictEngine(Engine):
+    name: ClassVar[str] = "dict"
+    local: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.reads: list[str] = []
+        self.read_gate = threading.Event()
+        self.write_gate = threading.Event()
+        self.read_gate.set()
+        self.write_gate.set()
+        self.is_ready = threading.Event()
+        self.is_ready.set()
+
+    def ready(self) -> bool:
+        return self.is_ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.is_ready.wait(timeout_s)
+
+    def lookup(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]]
+               ) -> list[int]:
+        run = []
+        for i, key in enumerate(keys):
+            value = self.values.get(key)
+            if value is None or (sizes is not None and sizes[i] != len(value)):
+                break
+            run.append(len(value))
+        return run
+
+    def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
+        self.reads.append(target.key)
+        assert self.read_gate.wait(10)
+        target.memory[:] = self.values[target.key]
+        return ReadOutcome.HIT
+
+    def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
+        assert self.write_gate.wait(10)
+        self.values[source.key] = bytes(source.memory)
+        return WRITTEN
+
+
+def _value(key: str) -> bytes:
+    return (key.encode() * SIZE)[:SIZE]
+
+
+@pytest.fixture
+def world():
+    tenant = Tenant(TenantSpec(None, None, 1 << 20), 60.0)
+    maps = SegmentMaps()
+    made: list[TierDriver] = []
+    loop = HandLoop()
+
+    def make(engine: Engine, **settings) -> TierDriver:
+        settings.setdefault("read_workers", 2)
+        settings.setdefault("write_workers", 2)
+        driver = TierDriver(engine, loop, DriverSettings(**settings), lambda: [tenant])
+        made.append(driver)
+        return driver
+    yield tenant, maps, loop, make
+    for driver in made:
+        driver.close()
+    loop.drain()
+    maps.close()
+    assert tenant.pool.statistics().pinned == 0 and tenant.pool.statistics().reserved == 0
+    tenant.close()
+
+
+def _save(tenant: Tenant, maps: SegmentMaps, key: str) -> None:
+    """A client's save: reserve, write the bytes, commit."""
+    grant = tenant.pool.reserve([key], [SIZE], "client")[0]
+    view = maps.view(tenant, grant.offset, grant.size)
+    view[:] = _value(key)
+    view.release()
+    assert tenant.pool.commit([grant.token], "client") == [True]
+
+
+def _pinned_bytes(tenant: Tenant, maps: SegmentMaps, keys: list[str]) -> list[bytes]:
+    pins = tenant.pool.acquire(keys, None, "reader")
+    out = []
+    for pin in pins:
+        view = maps.view(tenant, pin.offset, pin.size)
+        out.append(bytes(view))
+        view.release()
+    tenant.pool.release([p.token for p in pins], "reader")
+    return out
+
+
+def test_a_fill_brings_the_leading_run_and_counts_it(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.values = {k: _value(k) for k in ("a", "b", "d")}
+    driver = make(engine)
+    done: list[bool] = []
+    assert driver.fill(tenant, ["a", "b", "c", "d"], None, None, lambda: done.append(True))
+    loop.run_until(lambda: bool(done))
+    assert _pinned_bytes(tenant, maps, ["a", "b", "c"]) == [_value("a"), _value("b")]
+    st = driver.statistics()
+    assert (st.lookups, st.hits, st.misses, st.bytes_in) == (2, 2, 0, 2 * SIZE)
+    assert driver.statistics(tenant).hits == 2
+    assert not driver.fill(tenant, ["c"], None, None, lambda: None)  # held nowhere
+    assert driver.statistics().misses == 1
+
+
+def test_two_loads_of_the_same_keys_read_them_once(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.values = {k: _value(k) for k in ("a", "b")}
+    engine.read_gate.clear()
+    driver = make(engine)
+    done: list[int] = []
+    assert driver.fill(tenant, ["a", "b"], None, None, lambda: done.append(1))
+    assert driver.fill(tenant, ["a", "b"], None, None, lambda: done.append(2))
+    engine.read_gate.set()
+    loop.run_until(lambda: len(done) == 2)
+    assert sorted(engine.reads) == ["a", "b"]
+    assert _pinned_bytes(tenant, maps, ["a", "b"]) == [_value("a"), _value("b")]
+
+
+def test_a_read_past_its_deadline_is_answered_then_given_back(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.values = {"a": _value("a")}
+    engine.read_gate.clear()
+    driver = make(engine)
+    done: list[bool] = []
+    assert driver.fill(tenant, ["a"], None, time.monotonic() + 0.05, lambda: done.append(True))
+    loop.run_until(lambda: bool(done))  # by the deadline, the read still running
+    assert tenant.pool.exists(["a"]) == 0 and tenant.pool.statistics().reserved == 1
+    assert driver.statistics().read_timeouts == 1
+    engine.read_gate.set()
+    loop.run_until(lambda: tenant.pool.statistics().reserved == 0)
+    assert tenant.pool.exists(["a"]) == 0  # its bytes never shown
+
+
+def test_write_out_waits_past_the_bound_and_is_dropped_past_the_queue(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.write_gate.clear()
+    driver = make(engine, inflight_bytes=SIZE + SIZE // 2, queue_bytes=SIZE)
+    for key in ("a", "b", "c"):
+        _save(tenant, maps, key)
+    driver.stored(tenant, ["a", "b", "c"], [SIZE] * 3)
+    st = driver.statistics()
+    assert (st.inflight_bytes, st.queued_bytes, st.dropped) == (SIZE, SIZE, 1)
+    assert tenant.pool.statistics().pinned == 1  # only what is being written
+    engine.write_gate.set()
+    loop.run_until(lambda: driver.statistics().writes == 2)
+    loop.run_until(lambda: tenant.pool.statistics().pinned == 0)
+    assert engine.values == {"a": _value("a"), "b": _value("b")}
+    driver.stored(tenant, ["a"], [SIZE])  # held already: not written again
+    loop.drain()
+    assert driver.statistics().writes == 2
+
+
+def test_second_hit_admits_a_key_saved_again(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.admission = SecondHit()
+    driver = make(engine)
+    _save(tenant, maps, "a")
+    driver.stored(tenant, ["a"], [SIZE])
+    assert driver.statistics().not_admitted == 1 and engine.values == {}
+    driver.stored(tenant, ["a"], [SIZE])
+    loop.run_until(lambda: driver.statistics().writes == 1)
+    assert engine.values == {"a": _value("a")}
+
+
+def test_a_load_waits_for_an_engine_not_ready(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.values = {"a": _value("a")}
+    engine.is_ready.clear()
+    driver = make(engine)
+    done: list[bool] = []
+    counted: list[int] = []
+    assert driver.fill(tenant, ["a"], None, None, lambda: done.append(True))
+    assert driver.count(tenant, ["a", "b"], None, None, counted.append)
+    engine.is_ready.set()
+    loop.run_until(lambda: bool(done) and bool(counted))
+    assert counted == [1] and tenant.pool.exists(["a"]) == 1
+
+
+def test_the_stop_flush_writes_what_the_engine_lacks(world):
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.values = {"a": _value("a")}
+    driver = make(engine, flush_on_stop_s=5.0)
+    for key in ("a", "b"):
+        _save(tenant, maps, key)
+    driver.close()
+    loop.drain()
+    assert engine.values == {"a": _value("a"), "b": _value("b")}
+    assert driver.statistics().flushed_on_stop == 1
+
+
+def test_a_value_larger_than_the_bound_goes_alone_only_with_a_queue(world):
+    tenant, maps, loop, make = world
+    queued, queueless = DictEngine(), DictEngine()
+    with_queue = make(queued, inflight_bytes=SIZE // 2, queue_bytes=SIZE)
+    without = make(queueless, inflight_bytes=SIZE // 2, queue_bytes=0)  # the cluster's
+    _save(tenant, maps, "a")
+    with_queue.stored(tenant, ["a"], [SIZE])  # nothing in flight: it goes alone
+    without.stored(tenant, ["a"], [SIZE])  # nowhere to wait: dropped
+    loop.run_until(lambda: with_queue.statistics().writes == 1)
+    assert queued.values == {"a": _value("a")} and queueless.values == {}
+    assert without.statistics().dropped == 1
