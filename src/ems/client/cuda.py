@@ -242,7 +242,7 @@ class _Cudart:
 def _load_cudart() -> Optional[ctypes.CDLL]:
     names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
     try:  # torch wheels ship their runtime under nvidia/cuda_runtime/lib (or nvidia/cu13)
-        import nvidia  # type: ignore[import-not-found]
+        import nvidia  # type: ignore[import-not-found,unused-ignore]
         for path in getattr(nvidia, "__path__", []):
             names[:0] = sorted(glob.glob(os.path.join(path, "*", "lib", "libcudart.so*")))
     except ImportError:
@@ -357,7 +357,7 @@ class _TorchCuda:
             event.synchronize()
 
     def on(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
-        return self._torch.cuda.stream(stream)  # type: ignore[no-any-return]
+        return self._torch.cuda.stream(stream)  # type: ignore[no-any-return,unused-ignore]
 
     def copy(self, dst: Tensor, src: Tensor) -> None:
         dst.copy_(src, non_blocking=True)
