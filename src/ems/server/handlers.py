@@ -329,10 +329,16 @@ class Handlers:
 
 
 class _Load:
-    """An Acquire walking the tiers for the keys after its pins (module docstring)."""
+    """An Acquire walking the tiers for the keys after its pins (module docstring).
+
+    While the tiers fill its misses, the load holds (``Pool.hold``) the keys after the
+    first miss that are in shared memory already: the fill's reservations evict LRU
+    objects, and without the hold those could be the request's own later blocks, so
+    a load right after an exists found fewer blocks than the exists counted (1-2
+    requests of a disk-tier trace replay did)."""
 
     __slots__ = ("handlers", "session", "tenant", "rid", "keys", "sizes", "pins", "tiers",
-                 "deadline", "_next")
+                 "deadline", "_next", "_held")
 
     def __init__(self, handlers: Handlers, session: Session, tenant: Tenant, rid: int,
                  keys: list[str], sizes: Optional[list[int]], pins: list[Pin],
@@ -341,6 +347,13 @@ class _Load:
         self.keys, self.sizes, self.pins, self.tiers = keys, sizes, pins, tiers
         self.deadline = deadline
         self._next = 0
+        self._held = tenant.pool.hold(keys[len(pins) + 1:], session.id)
+
+    def _answer(self) -> None:
+        if self._held and self.session.serves(self.tenant):
+            self.tenant.pool.release(self._held, self.session.id)
+        self._held = []
+        self.handlers._answer_pins(self.session, self.rid, self.pins)
 
     def next(self) -> None:
         """Ask the next tier for the keys still missing; answer when none is left."""
@@ -351,7 +364,7 @@ class _Load:
             sizes = None if self.sizes is None else self.sizes[n:]
             if tier.fill(self.tenant, self.keys[n:], sizes, self.deadline, self._filled):
                 return
-        self.handlers._answer_pins(self.session, self.rid, self.pins)
+        self._answer()
 
     def _filled(self) -> None:
         session, n = self.session, len(self.pins)
@@ -367,7 +380,7 @@ class _Load:
             if len(self.pins) < len(self.keys):
                 self.next()
                 return
-        self.handlers._answer_pins(session, self.rid, self.pins)
+        self._answer()
 
 
 class _Count:
