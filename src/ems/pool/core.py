@@ -178,13 +178,15 @@ class _Object:
     """One key's entry in the index (a slotted class: made per reserve, ~0.3 us
     cheaper than a dataclass)."""
 
-    __slots__ = ("key", "offset", "size", "state", "owner", "expires_at", "pins")
+    __slots__ = ("key", "offset", "size", "need", "state", "owner", "expires_at", "pins")
 
-    def __init__(self, key: Hashable, offset: int, size: int, state: _State,
+    def __init__(self, key: Hashable, offset: int, size: int, need: int, state: _State,
                  owner: Hashable, expires_at: float = 0.0) -> None:
         self.key = key
         self.offset = offset
         self.size = size
+        #: the bytes its extent takes (``size`` rounded up to the allocation unit)
+        self.need = need
         self.state = state
         self.owner = owner
         self.expires_at = expires_at
@@ -276,7 +278,7 @@ class Pool:
                     self._refused_full += 1
                     grants.append(Grant(_FULL))
                     continue
-                obj = _Object(key, offset, size, _RESERVED, owner, expires_at)
+                obj = _Object(key, offset, size, need, _RESERVED, owner, expires_at)
                 self._reserved_bytes += need
                 token = next(self._tokens)
                 objects[key] = obj
@@ -297,9 +299,8 @@ class Pool:
                 continue
             del self._reservations[token]
             obj.state = _State.COMMITTED
-            need = self.allocator.size_of(obj.offset)
-            self._reserved_bytes -= need
-            self._live_bytes += need
+            self._reserved_bytes -= obj.need
+            self._live_bytes += obj.need
             self._live_at[obj.offset] = obj
             self._committed += 1
             self._stored_bytes += obj.size
@@ -358,13 +359,14 @@ class Pool:
         out = []
         for key, offset, size in zip(keys, offsets, sizes):
             assert lease is not None
-            self._cut(lease, offset, self.allocator.round_up(size))
+            need = self.allocator.round_up(size)
+            self._cut(lease, offset, need)
             obj = self._objects.get(key)
             if obj is None:
-                obj = _Object(key, offset, size, _State.COMMITTED, owner)
+                obj = _Object(key, offset, size, need, _State.COMMITTED, owner)
                 self._objects[key] = obj
                 self._live_at[offset] = obj
-                self._live_bytes += self.allocator.size_of(offset)
+                self._live_bytes += need
                 self._committed += 1
                 self._stored_bytes += size
                 self._policy.insert(key)
@@ -626,23 +628,35 @@ class Pool:
             if offset is not None:
                 return offset
             return self._alloc_window(need)  # room, but not in one piece
-        policy, objects = self._policy, self._objects
+        policy = self._policy
+        victim = policy.pop_victim()
+        if victim is None:
+            return None
+        obj = self._objects[victim]
+        if obj.need == need and allocator.used_bytes <= limit:  # hand its extent over
+            # (``_evict`` inlined: this is every reserve of a full V1 pool, ~0.1 us)
+            offset = obj.offset
+            self._committed -= 1
+            self._live_bytes -= need
+            del self._live_at[offset]
+            del self._objects[victim]
+            self._evict_capacity += 1
+            self._evicted_bytes += need
+            if self.on_evict is not None:
+                self.on_evict(victim, obj.size)
+            return offset
+        policy.unpop(victim)
         if not allocator.fits(need):
-            victim = policy.victim()
-            if victim is None:
-                return None
-            obj = objects[victim]
-            if allocator.size_of(obj.offset) != need or allocator.used_bytes > limit:
-                return self._alloc_window(need)
-        # A free extent fits (or the victim's own does): evict the policy's victims
-        # until the limit allows it; freeing only merges, so the fit stays.
+            return self._alloc_window(need)
+        # A free extent fits: evict the policy's victims until the limit allows it
+        # (freeing only merges, so the fit stays).
         while True:
             victim = policy.pop_victim()
             if victim is None:
                 return None
-            obj = objects[victim]
+            obj = self._objects[victim]
             self._evict(obj, capacity=True)
-            if allocator.size_of(obj.offset) == need and allocator.used_bytes <= limit:
+            if obj.need == need and allocator.used_bytes <= limit:
                 return obj.offset
             allocator.free(obj.offset)
             if allocator.used_bytes + need <= limit:
@@ -740,19 +754,18 @@ class Pool:
             self._evict_capacity += 1
         else:
             self._evict_fragmentation += 1
-        self._evicted_bytes += self.allocator.size_of(obj.offset)
+        self._evicted_bytes += obj.need
         if self.on_evict is not None:
             self.on_evict(obj.key, obj.size)
 
     def _forget(self, obj: _Object) -> None:
         """Remove ``obj`` from the index; its extent stays allocated (the caller's)."""
-        need = self.allocator.size_of(obj.offset)
-        if obj.state is _State.COMMITTED:
+        if obj.state is _COMMITTED:
             self._committed -= 1
-            self._live_bytes -= need
+            self._live_bytes -= obj.need
             del self._live_at[obj.offset]
         else:
-            self._reserved_bytes -= need
+            self._reserved_bytes -= obj.need
         del self._objects[obj.key]
 
     def _drop(self, obj: _Object) -> None:

@@ -49,6 +49,11 @@ class LruPolicy:
         except KeyError:
             return None
 
+    def unpop(self, key: Hashable) -> None:
+        """Put back the key :meth:`pop_victim` just took, as the next victim again."""
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
     def candidates(self, n: int) -> list[Hashable]:
         """The next ``n`` victims in order (not removed)."""
         return list(itertools.islice(self._order, n))
