@@ -43,16 +43,19 @@ whatever the pool's history; a lease evicts nothing::
         (else the cheapest such window of the whole arena); evict the objects in it
         (the victim: a capacity eviction, its neighbours: fragmentation evictions);
         then LRU victims while the limit is exceeded
-    no window (pins, reservations, leases everywhere) --------------> FULL, nothing
-                                                                      evicted
+    no window (pins, reservations, leases everywhere) --------------> FULL
+
+A failed window search evicts nothing; a FULL after evictions only happens when the
+limit cannot be met at all (every evictable object went, fewer than N bytes).
 
 A window ends at most one object past N bytes, hence the bound. With one value size
 (every V1 block of a layout) no window is ever needed: each allocation takes exactly
 its LRU victim's extent, and the pool is exact LRU. Mixed V0 sizes (16 KiB-4 MiB)
 evict the victim's neighbours for large objects (7 in 8 evictions in a uniform mix of
 16 KiB-4 MiB: LRU-anchored, not exact LRU); what a window leaves beyond the object is
-free space the next smaller ones take (99% of such a pool live). Pinned objects (readers, the disk
-tier's write-behind), reservations and leases are never in a window.
+free space the next smaller ones take (99% of such a pool live). Pinned objects
+(readers, the disk tier's write-behind), reservations and leases are never in a
+window.
 
 A lease is drawn from free space only (``lease``): on a full pool it is refused
 (``leases_refused``) and the connection's small saves reserve instead. Measured
