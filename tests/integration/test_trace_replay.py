@@ -108,6 +108,33 @@ def test_a_load_after_an_exists_finds_what_it_counted_with_the_disk_tier(
         Ems.finalize()
 
 
+def test_a_load_fills_every_disk_run_of_its_chain(make_server, client_env, tmp_path):
+    # [a, b, c, e]: a and c here, b and e only on disk. The disk's fill brings the run
+    # of misses up to the first key that is here (b); the load then asks the disk
+    # again for the keys after c, as the exists counted them (before: 3 of 4).
+    server = make_server(capacity="1M", extra_args=["--disk", str(tmp_path / "disk")])
+    big = 160 << 10  # 6 of them fill the 1 MiB pool
+    client_env(server)
+    cc = _cc()
+    try:
+        a, b, c, e = (f"chain-{x}" for x in "abce")
+
+        def on_disk(n: int) -> None:
+            wait_for(lambda: anonymous_stats(server)["tiers"]["disk"]["objects"] == n,
+                     10.0, f"{n} objects on disk")
+        assert save(cc, [b, e], big) == 2
+        on_disk(2)
+        assert save(cc, [a, c], big) == 2
+        on_disk(4)
+        assert save(cc, ["f1", "f2", "f3", "f4"], big) == 4  # b and e are evicted
+        on_disk(8)
+        assert cc.exists([b]).success == 1 and anonymous_stats(server)["objects"] == 6
+        assert cc.exists([a, b, c, e]).success == 4
+        assert load(cc, [a, b, c, e], big) == (4, 0)
+    finally:
+        Ems.finalize()
+
+
 def test_exists_then_load_agree_over_a_trace_with_the_disk_tier(
         make_server, client_env, tmp_path):
     server = make_server(capacity="1M", extra_args=["--disk", str(tmp_path / "disk")])
