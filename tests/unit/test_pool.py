@@ -359,3 +359,15 @@ def test_a_lease_never_evicts_and_is_never_evicted(pool):
     (g,) = pool.reserve(["big"], [64 * 13], "w")
     assert g.status is GrantStatus.NEW
     pool.abort([g.token], "w")
+
+
+def test_hold_pins_every_present_key_without_counting(pool):
+    for k in ("a", "c"):
+        put(pool, k)
+    held = pool.hold(["a", "b", "c", "a"], owner="r")
+    assert set(held) == {"a", "c"}  # absent keys skipped, each key once
+    stats = pool.statistics()
+    assert stats.pinned == 2 and stats.hits == 0 and stats.misses == 0
+    assert not pool.delete("c")  # pinned: not deleted, not evicted
+    assert pool.release(list(held.values()), owner="r") == 2
+    assert pool.delete("c")

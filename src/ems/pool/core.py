@@ -477,25 +477,25 @@ class Pool:
             pins.append(Pin(token, obj.offset, obj.size))
         return pins
 
-    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> list[int]:
+    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> dict[Hashable, int]:
         """Pin every committed key of ``keys`` (not only a leading run; no hit or miss
-        counted); the tokens, for :meth:`release`.
+        counted); each such key's token, for :meth:`release`.
 
         A load whose misses a tier brings into shared memory holds the request's
         later blocks that are here already, so the tier's reservations cannot evict
         them: a load right after an exists then finds what the exists counted.
         """
-        tokens = []
+        tokens: dict[Hashable, int] = {}
         for key in keys:
             obj = self._objects.get(key)
-            if obj is None or obj.state is not _State.COMMITTED:
+            if obj is None or obj.state is not _State.COMMITTED or key in tokens:
                 continue
             if obj.pins == 0:
                 self._policy.remove(key)
             obj.pins += 1
             token = next(self._tokens)
             self._pins[token] = (obj, owner)
-            tokens.append(token)
+            tokens[key] = token
         return tokens
 
     def release(self, tokens: Sequence[int], owner: Hashable = None) -> int:

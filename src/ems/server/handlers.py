@@ -339,7 +339,8 @@ class _Load:
     the first key that is here; when that made progress the same tier is asked
     again for the keys after it (each round pins at least one more key), so a chain
     of disk-only and resident runs loads whole, as the exists counted it (4 requests
-    of 3,000 in a disk-tier replay of the Mooncake trace did not)."""
+    of 3,000 in a disk-tier replay of the Mooncake trace did not). A tier whose own
+    run ended the pins is not asked again: it lacks the next key."""
 
     __slots__ = ("handlers", "session", "tenant", "rid", "keys", "sizes", "pins", "tiers",
                  "deadline", "_next", "_held")
@@ -351,12 +352,13 @@ class _Load:
         self.keys, self.sizes, self.pins, self.tiers = keys, sizes, pins, tiers
         self.deadline = deadline
         self._next = 0
+        #: the later keys that were here before any fill -> their hold's token
         self._held = tenant.pool.hold(keys[len(pins) + 1:], session.id)
 
     def _answer(self) -> None:
         if self._held and self.session.serves(self.tenant):
-            self.tenant.pool.release(self._held, self.session.id)
-        self._held = []
+            self.tenant.pool.release(list(self._held.values()), self.session.id)
+        self._held = {}
         self.handlers._answer_pins(self.session, self.rid, self.pins)
 
     def next(self) -> None:
@@ -382,8 +384,8 @@ class _Load:
                 self.handlers._stored_here(self.tenant, self.keys[n:n + len(more)],
                                            [p.size for p in more])
             if len(self.pins) < len(self.keys):
-                if more:  # the same tier again for the keys after a run that was here
-                    self._next -= 1
+                if more and self.keys[len(self.pins) - 1] in self._held:
+                    self._next -= 1  # the same tier again, for the keys after a run here
                 self.next()
                 return
         self._answer()
