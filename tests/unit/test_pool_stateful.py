@@ -45,7 +45,7 @@ class PoolMachine(RuleBasedStateMachine):
     The model also keeps where each object, reservation and lease piece lies, so it
     checks the allocation bound of ``ems.pool.core``: making room for ``need`` bytes
     evicts at most ``need`` + the largest object + what a lowered limit is exceeded
-    by; a lease never evicts; FULL only when no run of free and evictable extents of
+    by; a lease evicts at most one object; FULL only when no run of free and evictable extents of
     ``need`` bytes exists (or the limit cannot be met by evicting everything)."""
 
     def __init__(self) -> None:
@@ -227,12 +227,16 @@ class PoolMachine(RuleBasedStateMachine):
         used = sum(n for _, n, _ in self.layout())
         free_fits = (used + 64 * blocks <= self.pool.capacity_bytes
                      and self.largest_gap() >= 64 * blocks)
+        largest = max((self.rounded(n) for n in self.committed.values()), default=0)
         off = self.pool.lease(64 * blocks, owner)
-        evictions = self.evictions
+        evictions, evicted = self.evictions, self.evicted_bytes
         self.sync_evictions()
-        # (was: a lease evicts like a reservation.) A lease takes free space only.
-        assert self.evictions == evictions, "a lease evicted"
-        assert (off is not None) == free_fits
+        # (was: a lease evicts like a reservation.) A lease takes free space, or the
+        # place of the LRU victim alone: at most one object, never scattered ones.
+        assert self.evictions - evictions <= (1 if off is not None else 0), "a lease evicted"
+        assert self.evicted_bytes - evicted <= largest
+        if free_fits:
+            assert off is not None
         if off is not None:
             assert off % 64 == 0
             self.leases[owner].add((off, 64 * blocks))

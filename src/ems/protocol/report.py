@@ -59,8 +59,8 @@ class PoolStatistics:
     evictions_capacity: int = 0
     evictions_fragmentation: int = 0
     evicted_bytes: int = 0
-    #: leases refused because no free extent of a lease's size was under the limit
-    #: (a lease never evicts: the connection's small saves reserve meanwhile)
+    #: leases refused: no free extent of a lease's size and the LRU victim's place too
+    #: small (a lease evicts at most that victim: the connection's saves reserve)
     leases_refused: int = 0
 
     @property
