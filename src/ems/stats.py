@@ -28,6 +28,20 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
+def _memory_lines(report: dict[str, Any]) -> list[str]:
+    """Where each tenant's bytes are (used = live + reserved + leased) and why objects
+    went (a daemon older than these fields sends none of them: they read as 0)."""
+    rows = [("tenant", "live", "reserved", "leased", "free", "evicted capacity",
+             "evicted fragmentation", "leases refused")]
+    for name, t in sorted(report["tenants"].items()):
+        rows.append((name, _size(t.get("live_bytes", 0)), _size(t.get("reserved_bytes", 0)),
+                     _size(t.get("leased_bytes", 0)), _size(t.get("free_bytes", 0)),
+                     str(t.get("evictions_capacity", 0)),
+                     str(t.get("evictions_fragmentation", 0)),
+                     str(t.get("leases_refused", 0))))
+    return ["memory:"] + _table(rows)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable table of a statistics report."""
     srv = report["server"]
@@ -45,6 +59,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{100 * t['hit_rate']:.1f}%", str(t["evictions"]),
                      str(t["expired_reservations"]), str(t["connections"])))
     lines += _table(rows)
+    lines += _memory_lines(report)
     refused = srv.get("refused") or {}
     if refused:
         lines.append("refused by limits: " + ", ".join(

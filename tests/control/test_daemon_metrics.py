@@ -78,11 +78,24 @@ def test_metrics_of_a_standalone_daemon_and_off_by_default(tmp_path):
         try:
             with pytest.raises(EmsException):  # over the limit: refused, and counted
                 RemoteTransport.connect(server.socket_path, None, None, 3.0)
+            assert transport_save(first, storage(["big1", "big2"]), 1 << 20) == 2
             fams = scrape(port)
         finally:
             first.close()
         assert value(fams, "ems_limit_refusals", limit="max_connections_per_tenant") == 1
         assert value(fams, "ems_pool_capacity_bytes", tenant="(anonymous)") == 16 << 20
+        # where the bytes are: used = live + reserved + leased; free is the rest
+        live = value(fams, "ems_pool_live_bytes", tenant="(anonymous)")
+        assert live == 2 << 20
+        assert value(fams, "ems_pool_reserved_bytes", tenant="(anonymous)") == 0
+        assert value(fams, "ems_pool_used_bytes", tenant="(anonymous)") == live + value(
+            fams, "ems_pool_leased_bytes", tenant="(anonymous)")
+        assert value(fams, "ems_pool_free_bytes", tenant="(anonymous)") == (16 << 20) - value(
+            fams, "ems_pool_used_bytes", tenant="(anonymous)")
+        for cause in ("capacity", "fragmentation"):
+            assert value(fams, "ems_pool_evictions_by_cause", tenant="(anonymous)",
+                         cause=cause) == 0
+        assert value(fams, "ems_pool_evicted_bytes", tenant="(anonymous)") == 0
         assert "ems_control_reachable" not in fams
         assert f"metrics on http://127.0.0.1:{port}" in server.log()
     plain = tmp_path / "plain"

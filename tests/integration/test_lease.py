@@ -113,7 +113,9 @@ def test_concurrent_threads_share_one_lease(cc, server):
 
 
 def test_small_saves_of_several_processes_with_eviction(make_server, workers):
-    # a 1 MiB pool: 16 KiB leases, renewed every few saves, while keys are evicted
+    # a 1 MiB pool: 16 KiB leases, renewed every few saves while there is free space
+    # (a lease evicts no 2 KiB objects for 16 KiB: then small saves reserve), while
+    # keys are evicted
     server = make_server(capacity="1M")
     procs = [workers.start(server, "mixed", seed=seed, rounds=40, key_space=2000, size=2048,
                            batch=2) for seed in range(4)]

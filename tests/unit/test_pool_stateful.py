@@ -26,6 +26,10 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+def key_absent(key: str, committed: dict[str, int], busy: set[str]) -> bool:
+    return key not in committed and key not in busy
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -36,7 +40,13 @@ class FakeClock:
 
 class PoolMachine(RuleBasedStateMachine):
     """Every committed key of the model is in the pool with its size, unless it was
-    evictable and got evicted; pinned and reserved keys are never evicted."""
+    evictable and got evicted; pinned and reserved keys are never evicted.
+
+    The model also keeps where each object, reservation and lease piece lies, so it
+    checks the allocation bound of ``ems.pool.core``: making room for ``need`` bytes
+    evicts at most ``need`` + the largest object + what a lowered limit is exceeded
+    by; a lease evicts at most one object; FULL only when no run of free and evictable extents of
+    ``need`` bytes exists (or the limit cannot be met by evicting everything)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,6 +57,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.pins: dict[int, tuple[str, str]] = {}
         self.leases: dict[str, set[tuple[int, int]]] = {"a": set(), "b": set()}  # pieces
         self.evictions = self.expired = self.hits = self.misses = 0
+        self.offsets: dict[str, int] = {}  # committed key -> offset
+        self.res_offsets: dict[int, int] = {}  # reservation token -> offset
+        self.evicted_bytes = 0
 
     # ------------------------------------------------------------- model helpers
     def pin_count(self, key: str) -> int:
@@ -60,11 +73,43 @@ class PoolMachine(RuleBasedStateMachine):
         for key in list(self.committed):
             if key not in present:
                 assert self.pin_count(key) == 0, f"pinned {key} was evicted"
-                del self.committed[key]
+                self.evicted_bytes += self.rounded(self.committed.pop(key))
+                del self.offsets[key]
                 self.evictions += 1
 
     def rounded(self, size: int) -> int:
         return self.pool.allocator.round_up(size)
+
+    def layout(self) -> list[tuple[int, int, bool]]:
+        """The model's arena: (start, size, evictable) of every allocated extent."""
+        used = [(self.offsets[k], self.rounded(n), self.pin_count(k) == 0)
+                for k, n in self.committed.items()]
+        used += [(self.res_offsets[t], self.rounded(r[1]), False)
+                 for t, r in self.reservations.items()]
+        used += [(o, n, False) for pieces in self.leases.values() for o, n in pieces]
+        return sorted(used)
+
+    def placeable(self, need: int) -> bool:
+        """Whether some run of free and evictable extents holds ``need`` bytes and
+        evicting every evictable object would meet the usage limit."""
+        layout = self.layout()
+        used = sum(n for _, n, _ in layout)
+        evictable = sum(n for _, n, e in layout if e)
+        if used - evictable + need > self.pool.capacity_bytes:
+            return False
+        run_start = 0
+        for start, size, evictable_here in layout + [(CAPACITY, 0, False)]:
+            if not evictable_here:
+                if start - run_start >= need:
+                    return True
+                run_start = start + size
+        return False
+
+    def largest_gap(self) -> int:
+        """The largest free extent of the model's arena."""
+        ends = [0] + [s + n for s, n, _ in self.layout()]
+        starts = [s for s, _, _ in self.layout()] + [CAPACITY]
+        return max(b - a for a, b in zip(ends, starts))
 
     # ------------------------------------------------------------- rules
     @rule(batch=st.lists(st.tuples(KEYS, st.integers(1, 64 * 6)), min_size=1, max_size=3,
@@ -73,6 +118,11 @@ class PoolMachine(RuleBasedStateMachine):
     def reserve(self, batch, owner, commit):
         keys, sizes = [k for k, _ in batch], [n for _, n in batch]
         before, busy = dict(self.committed), self.reserved_keys()
+        largest = max((self.rounded(n) for n in before.values()), default=0)
+        over = max(0, self.pool.statistics().used_bytes - self.pool.capacity_bytes)
+        placeable = len(keys) == 1 and key_absent(keys[0], before, busy) and self.placeable(
+            self.rounded(sizes[0]))
+        evicted_before = self.evicted_bytes
         grants = self.pool.reserve(keys, sizes, owner)
         present = set(self.pool.keys())
         exists = set()
@@ -89,13 +139,20 @@ class PoolMachine(RuleBasedStateMachine):
                 assert key not in busy and self.rounded(size) <= self.pool.capacity_bytes
                 assert key not in before or key not in present
         self.sync_evictions()
-        if any(g.status is GrantStatus.FULL for g in grants):
-            # everything evictable was evicted first, except what the batch holds
-            assert all(self.pin_count(k) or k in exists for k in self.committed)
+        # (was: FULL only after everything evictable was evicted. Now FULL only when
+        # no window can be made, and making room evicts a bounded number of bytes.)
+        if placeable:
+            assert grants[0].status is not GrantStatus.FULL, "FULL with a window possible"
+        allocating = [self.rounded(n) for n, g in zip(sizes, grants)
+                      if g.status in (GrantStatus.NEW, GrantStatus.FULL)]
+        assert self.evicted_bytes - evicted_before <= sum(allocating) + len(allocating) * (
+            largest) + over, "an allocation evicted more than it needs"
+        assert self.pool.statistics().evicted_bytes == self.evicted_bytes
         for key, size, g in zip(keys, sizes, grants):
             if g.status is GrantStatus.NEW:
                 assert g.size == size and g.offset % self.pool.allocator.alignment == 0
                 self.reservations[g.token] = (key, size, owner, self.clock.now + TTL)
+                self.res_offsets[g.token] = g.offset
                 if commit:
                     self.do_commit(g.token, owner)
 
@@ -106,6 +163,7 @@ class PoolMachine(RuleBasedStateMachine):
         if owner == real_owner:
             del self.reservations[token]
             self.committed[key] = size
+            self.offsets[key] = self.res_offsets.pop(token)
 
     @precondition(lambda self: self.reservations)
     @rule(data=st.data(), right_owner=st.booleans())
@@ -119,6 +177,7 @@ class PoolMachine(RuleBasedStateMachine):
     def abort(self, data):
         token = data.draw(st.sampled_from(sorted(self.reservations)))
         self.pool.abort([token], self.reservations.pop(token)[2])
+        del self.res_offsets[token]
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True), owner=OWNERS,
           wrong_size=st.booleans())
@@ -151,6 +210,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.delete(key) is expected
         if expected:
             del self.committed[key]
+            del self.offsets[key]
 
     @rule(dt=st.floats(0, 2 * TTL))
     def tick_and_expire(self, dt):
@@ -159,15 +219,25 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.expire() == len(stale)
         for t in stale:
             del self.reservations[t]
+            del self.res_offsets[t]
         self.expired += len(stale)
 
     @rule(owner=OWNERS, blocks=st.integers(1, 4))
     def lease(self, owner, blocks):
+        used = sum(n for _, n, _ in self.layout())
+        free_fits = (used + 64 * blocks <= self.pool.capacity_bytes
+                     and self.largest_gap() >= 64 * blocks)
+        largest = max((self.rounded(n) for n in self.committed.values()), default=0)
         off = self.pool.lease(64 * blocks, owner)
+        evictions, evicted = self.evictions, self.evicted_bytes
         self.sync_evictions()
-        if off is None:  # everything evictable was evicted first
-            assert all(self.pin_count(k) for k in self.committed)
-        else:
+        # (was: a lease evicts like a reservation.) A lease takes free space, or the
+        # place of the LRU victim alone: at most one object, never scattered ones.
+        assert self.evictions - evictions <= (1 if off is not None else 0), "a lease evicted"
+        assert self.evicted_bytes - evicted <= largest
+        if free_fits:
+            assert off is not None
+        if off is not None:
             assert off % 64 == 0
             self.leases[owner].add((off, 64 * blocks))
 
@@ -200,6 +270,7 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             assert status is GrantStatus.NEW
             self.committed[key] = size
+            self.offsets[key] = offset
         self.cut(owner, piece, offset, need)
 
     @precondition(lambda self: any(self.leases.values()))
@@ -238,6 +309,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.drop_owner(owner)
         self.leases[owner] = set()
         self.reservations = {t: r for t, r in self.reservations.items() if r[2] != owner}
+        self.res_offsets = {t: o for t, o in self.res_offsets.items() if t in self.reservations}
         self.pins = {t: p for t, p in self.pins.items() if p[1] != owner}
 
     # ------------------------------------------------------------- invariants
@@ -258,6 +330,12 @@ class PoolMachine(RuleBasedStateMachine):
         leased = sum(n for pieces in self.leases.values() for _, n in pieces)
         assert stats.used_bytes == expected_used + leased
         assert stats.leased_bytes == leased
+        assert stats.live_bytes == sum(self.rounded(s) for s in self.committed.values())
+        assert stats.reserved_bytes == sum(self.rounded(r[1]) for r in self.reservations.values())
+        assert stats.used_bytes == stats.live_bytes + stats.reserved_bytes + stats.leased_bytes
+        assert stats.free_bytes == max(0, stats.capacity_bytes - stats.used_bytes)
+        assert stats.evictions == stats.evictions_capacity + stats.evictions_fragmentation
+        assert stats.free_bytes + stats.used_bytes >= stats.capacity_bytes
         assert stats.objects == len(self.committed)
         assert stats.reserved == len(self.reservations)
         assert stats.pinned == len({k for k, _ in self.pins.values()})

@@ -10,7 +10,10 @@ size, so the client can view pool memory as int64 rows).
 
 V1 objects of one layout all have the same size, so their frees leave holes that the
 next object of that size fits exactly; V0 values vary, and merging keeps the arena
-from fragmenting into unusably small pieces.
+from fragmenting into unusably small pieces. When no free extent fits, the pool
+(``ems.pool.core``) frees a *window*: a run of adjacent extents it may evict, found
+with :meth:`free_at`, :meth:`free_ending_at` and :meth:`extents`, and takes it with
+:meth:`alloc_at`.
 """
 
 from __future__ import annotations
@@ -100,6 +103,41 @@ class Allocator:
         self._allocated[start] = need
         self.used_bytes += need
         return start
+
+    def fits(self, need: int) -> bool:
+        """Whether :meth:`alloc_rounded` of ``need`` would find a free extent (no change)."""
+        first = need.bit_length() - 1
+        if self._nonempty >> (first + 1):
+            return True
+        by_start = self._by_start
+        return any(by_start[c] >= need for c in self._buckets[first])
+
+    def alloc_at(self, start: int, need: int) -> None:
+        """Allocate ``[start, start + need)`` from the free extent that starts at
+        ``start`` (the pool frees a window there first); ValueError when there is no
+        such extent or it is smaller."""
+        size_free = self._by_start.get(start, 0)
+        if size_free < need:
+            raise ValueError(f"no free extent of {need} bytes at {start}")
+        self._remove_free(start)
+        if size_free > need:
+            self._add_free(start + need, size_free - need)
+        self._allocated[start] = need
+        self.used_bytes += need
+
+    def free_at(self, start: int) -> int:
+        """Size of the free extent that starts at ``start`` (0: none does)."""
+        return self._by_start.get(start, 0)
+
+    def free_ending_at(self, end: int) -> Optional[int]:
+        """Start of the free extent that ends at ``end``, or None."""
+        return self._by_end.get(end)
+
+    def extents(self) -> list[tuple[int, int, bool]]:
+        """Every extent as ``(start, size, is_free)`` in address order (O(n log n): for
+        the pool's rare search of the whole arena)."""
+        return sorted([(s, n, True) for s, n in self._by_start.items()]
+                      + [(s, n, False) for s, n in self._allocated.items()])
 
     def free(self, offset: int) -> None:
         """Give back the extent that :meth:`alloc` returned at ``offset``."""

@@ -7,6 +7,7 @@ returns something a reader is copying.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Hashable, Optional
 
@@ -47,6 +48,19 @@ class LruPolicy:
             return self._order.popitem(last=False)[0]
         except KeyError:
             return None
+
+    def unpop(self, key: Hashable) -> None:
+        """Put back the key :meth:`pop_victim` just took, as the next victim again."""
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
+    def candidates(self, n: int) -> list[Hashable]:
+        """The next ``n`` victims in order (not removed)."""
+        return list(itertools.islice(self._order, n))
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is evictable now."""
+        return key in self._order
 
     def __len__(self) -> int:
         return len(self._order)

@@ -46,6 +46,22 @@ class PoolStatistics:
     arena_bytes: int = 0
     #: connections holding a lease
     leases: int = 0
+    #: where ``used_bytes`` goes: committed objects / reservations being written (each
+    #: rounded up to the allocation unit); ``leased_bytes`` is the rest
+    live_bytes: int = 0
+    reserved_bytes: int = 0
+    #: bytes the pool may still allocate before it must evict (``capacity_bytes`` minus
+    #: ``used_bytes``; 0 while a lowered quota is exceeded)
+    free_bytes: int = 0
+    #: ``evictions`` split by cause: the policy's own victims (the pool needed the
+    #: bytes) and neighbours of a victim evicted only because a larger object needed
+    #: contiguous space (fragmentation); and the bytes evicted in all
+    evictions_capacity: int = 0
+    evictions_fragmentation: int = 0
+    evicted_bytes: int = 0
+    #: leases refused: no free extent of a lease's size and the LRU victim's place too
+    #: small (a lease evicts at most that victim: the connection's saves reserve)
+    leases_refused: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -44,10 +44,18 @@ ems_pool_capacity_bytes                     tenant                  usage limit 
 ems_pool_arena_bytes                        tenant                  the segment's memory
 ems_pool_quota_bytes                        tenant                  quota asked for
 ems_pool_used_bytes / _leased_bytes         tenant                  in use / held by leases
+ems_pool_live_bytes, _reserved_bytes,       tenant                  used = live + reserved
+ems_pool_free_bytes                                                 + leased; free: before
+                                                                    the pool must evict
 ems_pool_objects, _reserved_objects,        tenant                  objects by state
 ems_pool_pinned_objects
 ems_pool_leases                             tenant                  connections with a lease
 ems_pool_evictions_total                    tenant                  LRU evictions
+ems_pool_evictions_by_cause_total           tenant, cause           capacity (the policy's
+                                                                    victims), fragmentation
+                                                                    (their neighbours)
+ems_pool_evicted_bytes_total                tenant                  bytes evicted
+ems_pool_leases_refused_total               tenant                  no free extent for one
 ems_pool_expired_reservations_total         tenant                  reservations timed out
 ems_pool_refusals_total                     tenant, reason          full, too_large
 ems_limit_refusals_total                    limit                   refusals by limit name
@@ -96,6 +104,9 @@ _GAUGES = (("capacity_bytes", "capacity_bytes",
            ("quota_bytes", "quota_bytes", "the quota asked for (above the arena: limited)"),
            ("used_bytes", "used_bytes", "bytes allocated (objects, reservations, leases)"),
            ("leased_bytes", "leased_bytes", "bytes held by connections' leases"),
+           ("live_bytes", "live_bytes", "bytes of committed objects"),
+           ("reserved_bytes", "reserved_bytes", "bytes of reservations being written"),
+           ("free_bytes", "free_bytes", "bytes the pool may allocate before it evicts"),
            ("objects", "objects", "committed objects"),
            ("reserved", "reserved_objects", "reservations being written"),
            ("pinned", "pinned_objects", "objects pinned by readers"),
@@ -156,6 +167,15 @@ class _Collector(Collector):
                                      labels=["tenant", "tier"])
         evictions = CounterMetricFamily("ems_pool_evictions", "objects evicted (LRU)",
                                         labels=["tenant"])
+        by_cause = CounterMetricFamily("ems_pool_evictions_by_cause",
+                                       "objects evicted: the policy's victims (capacity) or "
+                                       "their neighbours, for contiguous space (fragmentation)",
+                                       labels=["tenant", "cause"])
+        evicted_bytes = CounterMetricFamily("ems_pool_evicted_bytes", "bytes evicted",
+                                            labels=["tenant"])
+        leases_refused = CounterMetricFamily("ems_pool_leases_refused",
+                                             "leases refused: no free extent of a lease's size",
+                                             labels=["tenant"])
         expired = CounterMetricFamily("ems_pool_expired_reservations",
                                       "reservations freed after the TTL", labels=["tenant"])
         refusals = CounterMetricFamily("ems_pool_refusals", "reservations refused",
@@ -171,6 +191,10 @@ class _Collector(Collector):
             hit_bytes.add_metric([name, "local"], t.get("hit_bytes", 0))
             stored.add_metric([name, "local"], t.get("stored_bytes", 0))
             evictions.add_metric([name], t["evictions"])
+            by_cause.add_metric([name, "capacity"], t.get("evictions_capacity", 0))
+            by_cause.add_metric([name, "fragmentation"], t.get("evictions_fragmentation", 0))
+            evicted_bytes.add_metric([name], t.get("evicted_bytes", 0))
+            leases_refused.add_metric([name], t.get("leases_refused", 0))
             expired.add_metric([name], t["expired_reservations"])
             refusals.add_metric([name, "full"], t.get("refused_full", 0))
             refusals.add_metric([name, "too_large"], t.get("refused_too_large", 0))
@@ -183,7 +207,8 @@ class _Collector(Collector):
                 misses.add_metric([name, tier, "absent"], row.get("misses", 0))
                 hit_bytes.add_metric([name, tier], row.get("bytes_in", 0))
                 stored.add_metric([name, tier], row.get("bytes_out", 0))
-        yield from (hits, misses, hit_bytes, stored, evictions, expired, refusals, conns)
+        yield from (hits, misses, hit_bytes, stored, evictions, by_cause, evicted_bytes,
+                    leases_refused, expired, refusals, conns)
         yield from gauges.values()
         disk = report.get("disk")
         if disk:
