@@ -118,8 +118,10 @@ def wait_files(cond: dict) -> int:
     raise SystemExit(f"{cond['dir']} holds {n} pages, expected {cond['count']}")
 
 
-def scheduler_pid() -> int:
-    """The engine's scheduler process: our child SGLang names ``sglang::scheduler``."""
+def scheduler_pids() -> set[int]:
+    """Our children that SGLang names ``sglang::scheduler`` (a stopped engine's may
+    linger a moment while it exits)."""
+    pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -130,8 +132,8 @@ def scheduler_pid() -> int:
             continue
         comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
         if comm.startswith("sglang::schedul") and int(rest.split()[1]) == os.getpid():
-            return int(entry)
-    raise SystemExit("no sglang::scheduler child of this process")
+            pids.add(int(entry))
+    return pids
 
 
 def openmp_row(pid: int) -> dict:
@@ -160,11 +162,15 @@ def flush(engine) -> None:
 def run_engine(spec: dict) -> dict:
     import sglang as sgl
 
+    before = scheduler_pids()
     t0 = time.perf_counter()
     engine = sgl.Engine(**engine_args(spec))
     result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2),
               "steps": []}
-    scheduler = scheduler_pid()
+    new = scheduler_pids() - before
+    if len(new) != 1:
+        raise SystemExit(f"expected one new sglang::scheduler child, found {sorted(new)}")
+    scheduler = new.pop()
     sampling = {"temperature": 0.0, "max_new_tokens": spec.get("max_new_tokens", 8),
                 "ignore_eos": True}
     try:
