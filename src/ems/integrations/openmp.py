@@ -22,8 +22,14 @@ in its own C code and never did: measured in one run with one core kept busy, hi
 TTFT ems 1.66 s against ``file`` 0.75 s (the issue's profile: ems's prefetch itself
 completed in 10-30 ms against 30-750 ms for ``file``); with this op run once on each
 SGLang storage thread, ems 0.56 s; with ``OMP_WAIT_POLICY=PASSIVE`` for both (no
-spinning at all), ems 0.58 s and ``file`` 0.63 s. The benchmark
-(``benchmarks/sglang_ttft.py``) records each engine's OpenMP workers beside its TTFT.
+spinning at all), ems 0.58 s and ``file`` 0.63 s. A cold prompt (a miss, its pages
+backed up beside the forward) loses its time the same way: py-spy (``--native``, 50 Hz)
+on the scheduler, one core kept busy, three 1056-token cold prompts: without this op
+10.9% of the scheduler thread's samples sat in libgomp's spin (TTFT median 21.9 s);
+with it 0.9% (19.8 s). The rest is the prefill itself (82-90% in torch's AVX2 bf16
+dot); ems's own threads (lookup, health, socket watcher) and SGLang's backup thread
+sampled only in their waits. The benchmark (``benchmarks/sglang_ttft.py``) records
+each engine's OpenMP workers beside its TTFT.
 
 **The fix**: the first time a thread calls the backend, one parallel fill of
 :data:`WARMUP_ELEMENTS` floats (twice the grain size, ~0.1 ms after the team exists)
