@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
 """Time to first token of a real SGLang (CPU torch) with ems as its HiCache L3, without
-L3, and with SGLang's own ``file`` L3 backend, on the same machine in the same run.
+L3, and with SGLang's own ``file`` L3 backend, alternating in the same run under the
+same load.
 
-    python benchmarks/sglang_ttft.py [--rounds 3] [--prompt-tokens 1024] [--out FILE]
+    python benchmarks/sglang_ttft.py [--rounds 3] [--prompts 2] [--busy-cores 0 1]
+                                     [--prompt-tokens 1024] [--out FILE]
 
 The engines run in the SGLang venv (``scripts/sglang-venv.sh``) through the test
 harness's engine script (``tests/sglang/engine_run.py``, with its CPU shims), one after
-the other in one process, on a random-weight Llama big enough that prefill dominates
-(8 layers, hidden 1024, 16 heads / 4 KV heads); a real ``ems-server`` holds the pool.
-Each round's prompt is a new prefix of ``--prompt-tokens`` tokens plus a short tail:
+the other, on a random-weight Llama big enough that prefill dominates (8 layers, hidden
+1024, 16 heads / 4 KV heads); a real ``ems-server`` holds the pool. Each regime
+(``--busy-cores N``: N busy-loop processes, bounded and stopped by PID, keep N cores
+busy; 0 is the machine as it is, its load average recorded) runs ``--rounds`` rounds;
+each round starts one engine of each kind, in an order that rotates from round to
+round, with new prompts (a new prefix of ``--prompt-tokens`` tokens plus a short tail):
 
-* ``off``       -- HiCache without L3, every prompt cold (the baseline);
-* ``ems-miss``  -- ems as L3, the same prompts cold: the lookups miss and the pages are
-  backed up (the cost of a miss: ``ems-miss`` vs ``off``);
-* ``file-miss`` -- the same with SGLang's ``file`` backend (a directory in the
-  machine's temp dir: the page cache serves it);
-* ``ems-hit`` / ``file-hit`` -- fresh engines (nothing in their GPU/host cache) on the
-  same prefixes with another tail: the prefix comes from L3; ``--hit-engines`` of each,
-  ems and file alternating, their samples pooled.
+* ``off``  -- HiCache without L3: every prompt cold (the baseline);
+* ``ems`` / ``file`` -- ems's ``EmsStorage`` / SGLang's ``file`` backend (a directory in
+  the machine's temp dir: the page cache serves it) as L3: the prompts cold (``miss``:
+  the lookups miss and the pages are backed up; the engine waits until the L3 holds
+  them all), then ``flush_cache`` (the device and host caches emptied, L3 kept, SGLang's
+  storage threads restarted) and the same prefixes with another tail (``hit``: the
+  prefix comes from L3 only, as in a fresh engine).
+
+Every engine first serves one unmeasured prompt of the same length (its first forward
+pays one-off costs). Each ems engine has a tenant of its own and each ``file`` engine a
+directory of its own, so "the L3 holds them all" is an exact count.
 
 Then, in the same venv against the same daemon, the backend alone (no engine):
 ``batch_exists`` of 128 pages that are not stored (the cost of a miss on SGLang's
@@ -26,10 +34,12 @@ benchmark model's page size (8 layers x 16 tokens x 4 KV heads x 64 x K,V in bf1
 128 KiB).
 
 TTFT is the wall time of a 1-token request (``engine.generate``, arrival to the first
-token, the L3 prefetch included: SGLang waits for it with ``wait_complete``). Before a
-hit engine starts, the previous engine's backups are waited for (pool objects / page
-files). Engines run sequentially, so a drift of the shared machine between them is not
-cancelled out: compare medians, and rerun. Prints a table, writes JSON (default
+token, the L3 prefetch included: SGLang waits for it with ``wait_complete``). The JSON
+records, per regime, the load average before and after and at every step, the
+OpenMP environment (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``, ``OMP_NUM_THREADS``) and
+each engine's OpenMP workers (``ems.testing.openmp``), and the targets: ems's hit
+median <= ``file``'s, ems's miss median <= 1.1x ``file``'s and <= 1.1x no L3, every
+hit's whole prefix from L3, identical outputs. Prints a table, writes JSON (default
 ``bench-results/sglang_ttft.json``).
 """
 
@@ -49,6 +59,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(REPO, "tests", "sglang")
 PAGE = 16
+KINDS = ("off", "ems", "file")
+#: a busy-loop process's own bound: it ends by itself if we die without stopping it
+BUSY_LIMIT_S = 3600
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
 # ---------------------------------------------------------------- backend probe (venv)
@@ -120,15 +134,163 @@ def venv_python() -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+class BusyCores:
+    """``n`` busy-loop processes (each bounded by ``BUSY_LIMIT_S``), stopped by PID."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "BusyCores":
+        loop = (f"import time\nend = time.monotonic() + {BUSY_LIMIT_S}\n"
+                "while time.monotonic() < end:\n    pass\n")
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", loop],
+                                               stdin=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def summary(ttft: list[float]) -> dict:
+    return {"ttft_s": ttft, "ttft_median_s": statistics.median(ttft),
+            "ttft_min_s": min(ttft)}
+
+
+def run_regime(py: str, env: dict, tmp: str, model: str, busy: int,
+               args: argparse.Namespace, rng: random.Random) -> dict:
+    """One regime: ``--rounds`` rounds of the three engines, alternating."""
+    from ems.testing import run_server
+
+    tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    n_tokens = args.prompt_tokens + args.tail_tokens
+    tenants = {f"bench-{r}": f"{r:032d}" for r in range(args.rounds)}
+    regime_dir = tempfile.mkdtemp(prefix=f"busy{busy}-", dir=tmp)
+    os.makedirs(os.path.join(regime_dir, "pool"))
+    specs, prompts = [], []
+    with run_server(os.path.join(regime_dir, "pool"), capacity="2G",
+                    tenants=tenants) as server, BusyCores(busy):
+        renv = dict(env, **server.client_env())
+        common = {"model": model, "max_new_tokens": 1, "max_total_tokens": 8192,
+                  "layout": "page_first_direct"}
+        for r in range(args.rounds):
+            prefixes = [tok(args.prompt_tokens) for _ in range(args.prompts)]
+            cold = [p + tok(args.tail_tokens) for p in prefixes]
+            warm = [p + tok(args.tail_tokens) for p in prefixes]
+            prompts.append({"cold": cold, "warm": warm})
+            pages = (1 + args.prompts) * (n_tokens // PAGE)  # the warm-up's and cold's
+            order = KINDS[r % 3:] + KINDS[:r % 3]  # rotates: each kind goes first once
+            for kind in order:
+                steps = [{"name": "warmup", "prompts": [tok(n_tokens)]}]
+                spec = dict(common, name=f"{kind}#{r}", steps=steps)
+                if kind == "off":
+                    spec.update(storage=None, hicache=True)
+                    steps.append({"name": "cold", "prompts": cold})
+                    specs.append(spec)
+                    continue
+                cold_step = {"name": "cold", "prompts": cold}
+                if kind == "ems":
+                    tenant = f"bench-{r}"
+                    spec.update(storage="ems", extra={"access_id": tenant,
+                                                      "access_key": tenants[tenant]})
+                    cold_step["wait_pool"] = {"socket": server.socket_path, "objects": pages,
+                                              "tenant": tenant, "timeout_s": 300}
+                else:
+                    files = os.path.join(regime_dir, f"file-l3-{r}")
+                    os.makedirs(files)
+                    spec.update(storage="file", extra={"file_storage_path": files})
+                    cold_step["wait_files"] = {"dir": files, "count": pages,
+                                               "timeout_s": 300}
+                steps += [cold_step, {"name": "warm", "prompts": warm, "flush": True}]
+                specs.append(spec)
+        spec_path = os.path.join(regime_dir, "spec.json")
+        out_path = os.path.join(regime_dir, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump({"engines": specs}, f)
+        load_before = os.getloadavg()
+        t0 = time.monotonic()
+        r = subprocess.run([py, os.path.join(HARNESS, "engine_run.py"), spec_path,
+                            out_path], env=renv, capture_output=True, text=True)
+        elapsed = time.monotonic() - t0
+        load_after = os.getloadavg()
+        if r.returncode != 0:
+            sys.exit(f"engines failed ({r.returncode}):\n{r.stdout[-2000:]}"
+                     f"{r.stderr[-4000:]}")
+        with open(out_path) as f:
+            engines = json.load(f)["engines"]
+        probe = None
+        if busy == args.busy_cores[0]:  # the backend alone, once
+            p = subprocess.run([py, os.path.abspath(__file__), "--probe",
+                                server.socket_dir, "--probe-reps", str(args.probe_reps)],
+                               env=dict(renv, EMS_ACCESS_ID="bench-0",
+                                        EMS_ACCESS_KEY=tenants["bench-0"]),
+                               capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode != 0 or not lines:
+                sys.exit(f"the backend probe failed:\n{p.stderr[-3000:]}")
+            probe = json.loads(lines[-1][len("RESULT "):])
+    return digest(engines, busy, load_before, load_after, elapsed, args, probe)
+
+
+def digest(engines: list[dict], busy: int, load_before: tuple, load_after: tuple,
+           elapsed: float, args: argparse.Namespace, probe: "dict | None") -> dict:
+    """The regime's rows: every sample of each kind pooled over the rounds."""
+    samples: dict[str, dict[str, list]] = {}
+    for e in engines:
+        kind = e["name"].split("#")[0]
+        for st in e["steps"]:
+            if st["name"] == "warmup":
+                continue
+            row = kind if kind == "off" else f"{kind}-{'miss' if st['name'] == 'cold' else 'hit'}"
+            acc = samples.setdefault(row, {"s": [], "storage": [], "tokens": [],
+                                           "openmp": [], "loadavg_1m": [], "start_s": []})
+            acc["s"] += st["s"]
+            acc["storage"] += [d.get("storage", 0) for d in st["details"]]
+            acc["tokens"] += st["tokens"]
+            acc["openmp"].append(st["openmp"])
+            acc["loadavg_1m"].append(st["loadavg_1m"])
+            acc["start_s"].append(e["start_s"])
+    rows = {name: dict(summary(a["s"]), storage_hit_tokens=a["storage"], tokens=a["tokens"],
+                       openmp=a["openmp"], loadavg_1m=a["loadavg_1m"], start_s=a["start_s"])
+            for name, a in samples.items()}
+    med = {name: row["ttft_median_s"] for name, row in rows.items()}
+    prefix = args.prompt_tokens // PAGE * PAGE
+    hits = rows["ems-hit"]["storage_hit_tokens"] + rows["file-hit"]["storage_hit_tokens"]
+    ratios = {"ems_hit_vs_file_hit": med["ems-hit"] / med["file-hit"],
+              "ems_miss_vs_file_miss": med["ems-miss"] / med["file-miss"],
+              "ems_miss_vs_off": med["ems-miss"] / med["off"]}
+    checks = {
+        "every_hit_whole_prefix": all(h >= prefix for h in hits),
+        "outputs_identical": (rows["off"]["tokens"] == rows["ems-miss"]["tokens"]
+                              == rows["file-miss"]["tokens"]
+                              and rows["ems-hit"]["tokens"] == rows["file-hit"]["tokens"]),
+    }
+    targets = {"ems_hit_le_file_hit": ratios["ems_hit_vs_file_hit"] <= 1.0,
+               "ems_miss_le_1.1x_file_miss": ratios["ems_miss_vs_file_miss"] <= 1.1,
+               "ems_miss_le_1.1x_off": ratios["ems_miss_vs_off"] <= 1.1, **checks}
+    out = {"busy_cores": busy, "loadavg_before": list(load_before),
+           "loadavg_after": list(load_after), "elapsed_s": round(elapsed, 1),
+           "engines": rows, "ratios": ratios, "targets": targets,
+           "speedup_hit_vs_off": {k: med["off"] / med[f"{k}-hit"] for k in ("ems", "file")}}
+    if probe is not None:
+        out["backend_probe"] = probe
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds per regime: one engine of each kind each")
+    ap.add_argument("--prompts", type=int, default=2, help="measured prompts per step")
+    ap.add_argument("--busy-cores", type=int, nargs="+", default=[0, 1],
+                    help="the regimes: how many cores busy-loop processes keep busy")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--tail-tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--hit-engines", type=int, default=2,
-                    help="fresh hit engines per backend, ems and file alternating")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results", "sglang_ttft.json"))
     ap.add_argument("--probe", metavar="SOCKET_DIR", help=argparse.SUPPRESS)  # venv side
     ap.add_argument("--probe-reps", type=int, default=20)
@@ -136,8 +298,6 @@ def main() -> None:
     if args.probe:
         probe_main(args.probe, args.probe_reps)
         return
-    from ems.testing import run_server
-
     py = venv_python()
     tmp = tempfile.mkdtemp(prefix="ems-sglang-ttft-")
     try:
@@ -146,104 +306,45 @@ def main() -> None:
         env.update(PYTHONPATH=os.path.join(HARNESS, "shim"), SGLANG_USE_CPU_ENGINE="1",
                    TMPDIR=tmp, XDG_CACHE_HOME=os.path.join(tmp, "cache"),
                    SGLANG_CACHE_DIR=os.path.join(tmp, "cache", "sglang"),
-                   TORCH_EXTENSIONS_DIR=os.path.join(tmp, "cache", "torch"),
-                   SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=os.path.join(tmp, "file-l3"))
+                   TORCH_EXTENSIONS_DIR=os.path.join(tmp, "cache", "torch"))
         model = os.path.join(tmp, "llama")
         subprocess.run([py, os.path.join(REPO, "tests", "vllm", "make_model.py"), model,
                         "--layers", str(args.layers), "--hidden", str(args.hidden),
                         "--heads", "16", "--kv-heads", "4", "--vocab", "1024"],
                        env=env, check=True, capture_output=True)
         rng = random.Random(7)
-        tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
-        prefixes = [tok(args.prompt_tokens) for _ in range(args.rounds)]
-        cold = [p + tok(args.tail_tokens) for p in prefixes]
-        warm = [p + tok(args.tail_tokens) for p in prefixes]
-        pages = args.rounds * (args.prompt_tokens // PAGE)
-        os.makedirs(os.path.join(tmp, "pool"))
-        os.makedirs(os.path.join(tmp, "file-l3"))
-        with run_server(os.path.join(tmp, "pool"), capacity="2G") as server:
-            env.update(server.client_env())
-            common = {"model": model, "max_new_tokens": 1, "max_total_tokens": 8192,
-                      "layout": "page_first_direct"}
-
-            def step(name: str, prompts: list, **kw: object) -> dict:
-                return {"name": name, "prompts": prompts, **kw}
-
-            specs = [
-                dict(common, name="off", storage=None, hicache=True,
-                     steps=[step("cold", cold)]),
-                dict(common, name="ems-miss", storage="ems",
-                     steps=[step("cold", cold, wait_pool={
-                         "socket": server.socket_path, "objects": pages})]),
-                dict(common, name="file-miss", storage="file",
-                     steps=[step("cold", cold, wait_files={
-                         "dir": os.path.join(tmp, "file-l3"), "count": pages})]),
-            ]
-            for i in range(args.hit_engines):  # alternating: a drift hits both alike
-                for backend in ("ems", "file"):
-                    specs.append(dict(common, name=f"{backend}-hit#{i}", storage=backend,
-                                      steps=[step("warm", warm)]))
-            spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
-            with open(spec_path, "w") as f:
-                json.dump({"engines": specs}, f)
-            t0 = time.monotonic()
-            r = subprocess.run([py, os.path.join(HARNESS, "engine_run.py"), spec_path,
-                                out_path], env=env, capture_output=True, text=True)
-            if r.returncode != 0:
-                sys.exit(f"engines failed ({r.returncode}):\n{r.stdout[-2000:]}"
-                         f"{r.stderr[-4000:]}")
-            with open(out_path) as f:
-                engines = {e["name"]: e for e in json.load(f)["engines"]}
-            elapsed = time.monotonic() - t0
-            r = subprocess.run([py, os.path.abspath(__file__), "--probe", server.socket_dir,
-                                "--probe-reps", str(args.probe_reps)], env=env,
-                               capture_output=True, text=True)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-            if r.returncode != 0 or not lines:
-                sys.exit(f"the backend probe failed:\n{r.stderr[-3000:]}")
-            probe = json.loads(lines[-1][len("RESULT "):])
+        regimes = [run_regime(py, env, tmp, model, busy, args, rng)
+                   for busy in args.busy_cores]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-    for backend in ("ems", "file"):  # the hit engines' samples together
-        runs = [engines.pop(f"{backend}-hit#{i}") for i in range(args.hit_engines)]
-        engines[f"{backend}-hit"] = {
-            "start_s": [r["start_s"] for r in runs],
-            "steps": [{k: [x for r in runs for x in r["steps"][0][k]]
-                       for k in ("s", "details", "tokens")}]}
-    rows = {}
-    for name, e in engines.items():
-        st = e["steps"][0]
-        storage = [d.get("storage", 0) for d in st["details"]]
-        rows[name] = {"ttft_s": st["s"], "ttft_median_s": statistics.median(st["s"]),
-                      "ttft_min_s": min(st["s"]), "storage_hit_tokens": storage,
-                      "start_s": e["start_s"], "tokens": st["tokens"]}
-    off = rows["off"]["ttft_median_s"]
     result = {
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": 16, "kv_heads": 4,
                   "dtype": "bfloat16", "page_size": PAGE},
         "prompt_tokens": args.prompt_tokens + args.tail_tokens,
-        "prefix_tokens": args.prompt_tokens, "rounds": args.rounds,
-        "hit_engines": args.hit_engines,
-        "engines": rows,
-        "miss_overhead_median_s": {k: rows[f"{k}-miss"]["ttft_median_s"] - off
-                                   for k in ("ems", "file")},
-        "speedup_hit_vs_off": {k: off / rows[f"{k}-hit"]["ttft_median_s"]
-                               for k in ("ems", "file")},
-        "hit_outputs_equal": rows["ems-hit"]["tokens"] == rows["file-hit"]["tokens"],
-        "backend_probe": probe,
-        "elapsed_s": round(elapsed, 1),
+        "prefix_tokens": args.prompt_tokens, "rounds": args.rounds, "prompts": args.prompts,
+        "cpus": len(os.sched_getaffinity(0)),
+        "openmp_env": {k: os.environ.get(k, "unset") for k in OPENMP_ENV},
+        "regimes": regimes,
+        "backend_probe": next(r.pop("backend_probe") for r in regimes
+                              if "backend_probe" in r),
     }
-    print(f"SGLang TTFT, {args.prompt_tokens}+{args.tail_tokens} tokens, "
-          f"{args.rounds} prompts, {args.layers} layers x {args.hidden}")
-    print(f"{'engine':<10} {'median s':>9} {'min s':>8} {'storage hit tokens':>20}")
-    for name, row in rows.items():
-        print(f"{name:<10} {row['ttft_median_s']:>9.3f} {row['ttft_min_s']:>8.3f} "
-              f"{statistics.median(row['storage_hit_tokens']):>20.0f}")
-    print(f"miss overhead vs off (median): ems {result['miss_overhead_median_s']['ems']:+.3f} s,"
-          f" file {result['miss_overhead_median_s']['file']:+.3f} s")
-    print(f"hit speed-up vs off: ems {result['speedup_hit_vs_off']['ems']:.1f}x, "
-          f"file {result['speedup_hit_vs_off']['file']:.1f}x")
+    print(f"SGLang TTFT, {args.prompt_tokens}+{args.tail_tokens} tokens, {args.rounds} "
+          f"rounds x {args.prompts} prompts, {args.layers} layers x {args.hidden}, "
+          f"OpenMP {result['openmp_env']}")
+    for reg in regimes:
+        print(f"-- {reg['busy_cores']} core(s) kept busy; load average "
+              f"{reg['loadavg_before'][0]:.2f} -> {reg['loadavg_after'][0]:.2f}")
+        print(f"{'engine':<10} {'median s':>9} {'min s':>8} {'L3 hit tokens':>14} "
+              f"{'OpenMP workers':>15}")
+        for name, row in reg["engines"].items():
+            workers = sorted({o["workers"] for o in row["openmp"]})
+            print(f"{name:<10} {row['ttft_median_s']:>9.3f} {row['ttft_min_s']:>8.3f} "
+                  f"{statistics.median(row['storage_hit_tokens']):>14.0f} "
+                  f"{str(workers):>15}")
+        print("ratios " + ", ".join(f"{k} {v:.2f}" for k, v in reg["ratios"].items()))
+        print("targets " + ", ".join(f"{k} {'ok' if v else 'MISSED'}"
+                                     for k, v in reg["targets"].items()))
+    probe = result["backend_probe"]
     print(f"backend alone, {probe['pages']} pages of {probe['page_bytes'] >> 10} KiB: "
           f"batch_exists (miss) {probe['exists_miss_ms_median']:.2f} ms, batch_set_v1 "
           f"{probe['set_ms_median']:.1f} ms ({probe['set_gbps']:.2f} GB/s), batch_get_v1 "

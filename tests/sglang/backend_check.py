@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -111,6 +112,12 @@ def main() -> None:
     stats = s.statistics()
     check(stats.pages_saved == 4 and stats.pages_loaded == 4 and stats.pages_load_failed == 2,
           f"counters {stats}")
+    check(stats.openmp_threads_joined == 1,
+          f"the OpenMP warm-up ran once, on the one thread that called ({stats})")
+    worker = threading.Thread(target=s.batch_exists, args=(hashes,))
+    worker.start()
+    worker.join()
+    check(s.statistics().openmp_threads_joined == 2, "and once on another thread")
     m = s.get_stats()
     check(isinstance(m, StorageMetrics) and m.prefetch_pgs == [4] and m.backup_pgs == [4],
           f"get_stats: SGLang's StorageMetrics of the interval ({m})")

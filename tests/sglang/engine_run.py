@@ -13,7 +13,10 @@ SPEC: {"engines": [{"name", "model", "storage": null | "ems" | "file",
 backend (``extra``: its extra config); null: no L3 (``hicache`` true: HiCache without
 L3). ``args``: more ``sgl.Engine`` arguments.
 Before a step: ``kill_pid`` is SIGKILLed (the test's ems-server), ``wait_file`` waited
-for (how the test says it restarted the pool), then ``sleep_s`` slept. After it,
+for (how the test says it restarted the pool), then ``sleep_s`` slept; ``flush``
+empties the engine's device and host caches (``flush_cache``: L3 keeps its pages, and
+SGLang restarts its storage threads), so the step's prompts find their prefix only in
+L3 as a fresh engine would. After it,
 ``signal_file`` is written, with ``wait_pool`` ({"socket", "objects", "tenant", "timeout_s"}),
 wait until the daemon holds at least ``objects`` objects for the tenant (the
 backups to L3 are asynchronous); ``wait_files`` ({"dir", "count"}) the same for
@@ -22,7 +25,10 @@ bytes under the ems keys of that prompt's full pages (the negative control's wro
 one object of the size of the pages stored so far each). Each prompt is sent alone;
 with ``max_new_tokens`` 1 its time is the time to first token.
 OUT: per engine, per step: the greedy tokens, ``cached_tokens`` and
-``cached_tokens_details`` of every prompt and the step's seconds.
+``cached_tokens_details`` of every prompt, each prompt's seconds, and ``openmp``: the
+scheduler process's OpenMP workers after the step (``ems.testing.openmp``: ``workers``,
+``cpus``, ``throttled``; ``torch_threads`` is this process's, which the scheduler
+inherits on a CPU device) and the host's 1-minute load average.
 """
 
 from __future__ import annotations
@@ -112,13 +118,59 @@ def wait_files(cond: dict) -> int:
     raise SystemExit(f"{cond['dir']} holds {n} pages, expected {cond['count']}")
 
 
+def scheduler_pids() -> set[int]:
+    """Our children that SGLang names ``sglang::scheduler`` (a stopped engine's may
+    linger a moment while it exits)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        if comm.startswith("sglang::schedul") and int(rest.split()[1]) == os.getpid():
+            pids.add(int(entry))
+    return pids
+
+
+def openmp_row(pid: int) -> dict:
+    import torch
+
+    from ems.testing.openmp import openmp_threads
+
+    t = openmp_threads(pid)
+    return {"workers": t.workers, "cpus": t.cpus, "throttled": t.throttled,
+            "torch_threads": torch.get_num_threads()}
+
+
+def flush(engine) -> None:
+    """``flush_cache``, retried while SGLang refuses it (a request or a write still in
+    flight): bounded."""
+    deadline = time.monotonic() + 60
+    while True:
+        r = engine.flush_cache()
+        if r.success:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"flush_cache refused for 60 s: {r}")
+        time.sleep(0.5)
+
+
 def run_engine(spec: dict) -> dict:
     import sglang as sgl
 
+    before = scheduler_pids()
     t0 = time.perf_counter()
     engine = sgl.Engine(**engine_args(spec))
     result = {"name": spec["name"], "start_s": round(time.perf_counter() - t0, 2),
               "steps": []}
+    new = scheduler_pids() - before
+    if len(new) != 1:
+        raise SystemExit(f"expected one new sglang::scheduler child, found {sorted(new)}")
+    scheduler = new.pop()
     sampling = {"temperature": 0.0, "max_new_tokens": spec.get("max_new_tokens", 8),
                 "ignore_eos": True}
     try:
@@ -132,6 +184,8 @@ def run_engine(spec: dict) -> dict:
                         raise SystemExit(f"{step['wait_file']} did not appear")
                     time.sleep(0.05)
             time.sleep(step.get("sleep_s", 0))
+            if step.get("flush"):
+                flush(engine)
             out = {"name": step["name"], "tokens": [], "cached": [], "details": [], "s": []}
             for prompt in step["prompts"]:
                 t1 = time.perf_counter()
@@ -151,6 +205,8 @@ def run_engine(spec: dict) -> dict:
                                          spec.get("layout", "page_first_direct"))
             if step.get("wait_files"):
                 out["files"] = wait_files(step["wait_files"])
+            out["openmp"] = openmp_row(scheduler)
+            out["loadavg_1m"] = os.getloadavg()[0]
             result["steps"].append(out)
     finally:
         engine.shutdown()

@@ -60,6 +60,18 @@ def test_settings_extra_config_wins_over_the_environment() -> None:
         StorageSettings.from_sources({"timeout_ms": 0}, env={})
 
 
+def test_settings_openmp_warmup_is_a_checked_switch() -> None:
+    assert StorageSettings.from_sources({}, env={}).openmp_warmup is True
+    assert StorageSettings.from_sources({"openmp_warmup": False}, env={}).openmp_warmup \
+        is False
+    env = {"EMS_SGLANG_OPENMP_WARMUP": "0"}
+    assert StorageSettings.from_sources({}, env=env).openmp_warmup is False
+    with pytest.raises(EmsException) as err:
+        StorageSettings.from_sources({"openmp_warmup": "maybe"}, env={})
+    assert err.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert "openmp_warmup" in str(err.value) and "true or false" in str(err.value)
+
+
 # ------------------------------------------------------------------ keys
 def test_keys_carry_the_rank_suffix_sglang_requires() -> None:
     keys = [PageKeys.of(EngineRank.of(FakeStorageConfig(tp_rank=r, tp_size=2)), "m")

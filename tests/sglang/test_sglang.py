@@ -14,14 +14,16 @@ process, so a fresh ``EmsStorage``; pages of 16 tokens, a 512-token shared prefi
    script waits for them: backups are asynchronous). Then random bytes are stored under
    the keys of a fourth prompt's pages (``poison``);
 2. ``other-tenant`` (tenant B, credentials in the extra config, host layout
-   ``layer_first`` where the others use ``page_first_direct``): the shared prefix and
-   the poisoned prefix are NOT found (tenant A's pages are not its pages); its outputs
-   are the references of those two prompts;
+   ``layer_first`` where the others use ``page_first_direct``, the OpenMP warm-up off):
+   the shared prefix and the poisoned prefix are NOT found (tenant A's pages are not
+   its pages); its outputs are the references of those two prompts;
 3. ``load`` (tenant A, fresh): the shared prefix comes from storage
    (``cached_tokens_details["storage"]``) with the reference output; the poisoned
    prefix also comes from storage and the output changes (the negative control: the
-   loaded KV is really used); the pool is SIGKILLed and a new prompt is served
-   (reference output, no hang); the pool is restarted and the engine stores into it.
+   loaded KV is really used); its scheduler holds an OpenMP team per storage thread
+   (the warm-up op) and is in libgomp's throttled wait regime, tenant B's is not; the
+   pool is SIGKILLed and a new prompt is served (reference output, no hang); the pool
+   is restarted and the engine stores into it.
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
                         "poison": {"prompt": p["poison"], "model_id": MODEL_ID}}]},
             # (and SGLang's other host layout: its pages are K and V of each layer)
             {"name": "other-tenant", "model": model, "storage": "ems", "layout": "layer_first",
-             "extra": dict(extra, access_id="tenant-b", access_key=TENANTS["tenant-b"]),
+             "extra": dict(extra, access_id="tenant-b", access_key=TENANTS["tenant-b"],
+                           openmp_warmup=False),
              "steps": [{"name": "refs", "prompts": [p["hit"], p["poison"]],
                         "wait_pool": pool_wait(PREFIX_PAGES, "tenant-b")}]},
             {"name": "load", "model": model, "storage": "ems", "extra": extra,
@@ -247,6 +250,25 @@ def test_tenants_never_share_pages(runs: dict) -> None:
     # tenant A holds pages of both prompts; tenant B finds none of them
     assert [d.get("storage", 0) for d in refs["details"]] == [0, 0], refs["details"]
     assert refs["pool"]["objects"] >= PREFIX_PAGES  # it stored its own
+
+
+def test_the_scheduler_is_in_openmps_throttled_regime(runs: dict) -> None:
+    """The OpenMP warm-up op (``ems.integrations.openmp``): each SGLang storage thread
+    that called the backend holds an OpenMP team, so the scheduler process has more
+    OpenMP-managed threads than CPUs and its forward's barriers spin 100 iterations,
+    not 300,000, before they sleep (as SGLang's ``file`` backend gets by its torch ops
+    on its prefetch thread). The negative control: tenant B's engine, warm-up off,
+    holds only its forward's team and stays below the line (ems's copies are C code)."""
+    on = _step(runs, "load", "poisoned")["openmp"]  # after the hit and its backup
+    off = _step(runs, "other-tenant", "refs")["openmp"]
+    team = on["torch_threads"]
+    if team < 2:
+        pytest.skip(f"torch runs {team} thread here: OpenMP starts no team at all")
+    # the hits ran batch_exists (prefetch thread), batch_get_v1 (prefetch I/O thread)
+    # and their tails' batch_set_v1 (backup thread): three teams of team - 1 workers
+    assert on["workers"] >= off["workers"] + 3 * (team - 1), (on, off)
+    if team == on["cpus"]:  # the default: torch runs one thread per CPU
+        assert on["throttled"] and not off["throttled"], (on, off)
 
 
 def test_pool_killed_then_restarted(runs: dict) -> None:

@@ -51,6 +51,7 @@ class StorageStatistics:
     load_s: float = 0.0
     save_s: float = 0.0
     failures: int = 0  # pool failures (a call that got no cache)
+    openmp_threads_joined: int = 0  # SGLang threads that ran the OpenMP warm-up op
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,15 @@ class PoolSettings:
         kind = str(kind)
         if raw is None and "Optional" in kind:
             return None
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower() if isinstance(raw, (str, int)) else ""
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise invalid(f"{where} must be true or false, got {raw!r}")
         if "int" in kind:
             try:
                 value = int(raw)
@@ -155,6 +164,10 @@ class StorageSettings(PoolSettings):
     timeout_ms: Optional[int] = None
     #: the model's identity in the pool's keys; None: SGLang's model name
     model_id: Optional[str] = None
+    #: run one small parallel torch op on each SGLang thread the first time it calls
+    #: the backend, which puts a CPU engine in GNU OpenMP's throttled wait regime
+    #: (:mod:`ems.integrations.openmp`); false: never (the regime stays as it was)
+    openmp_warmup: bool = True
 
     _ENV_PREFIX: ClassVar[str] = "EMS_SGLANG_"
     _WHERE: ClassVar[str] = "hicache_storage_backend_extra_config"
