@@ -10,11 +10,11 @@ found over the blocks asked.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import random
 
+from ems.bench.trace_sim import Trace, TraceRequest, lru
 from ems.pool import GrantStatus, Pool
 
 __all__ = ["ReplayResult", "lru_hit_rate", "replay_pool", "synthetic_trace"]
@@ -44,25 +44,10 @@ def synthetic_trace(requests: int, seed: int = 0) -> list[list[int]]:
 
 
 def lru_hit_rate(trace: list[list[int]], capacity_blocks: int) -> float:
-    """The exact LRU cache of ``capacity_blocks`` blocks, used as the replay uses the
-    pool: leading hits count and become most recent, then the missing blocks are
-    inserted (a block present after the first miss just becomes most recent)."""
-    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
-    hits = asked = 0
-    for chain in trace:
-        asked += len(chain)
-        n = 0
-        while n < len(chain) and chain[n] in cache:
-            n += 1
-        hits += n
-        for h in chain:
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-                if len(cache) > capacity_blocks:
-                    cache.popitem(last=False)
-    return hits / asked if asked else 0.0
+    """The exact LRU cache of ``capacity_blocks`` blocks, in the pool's own order within
+    a request: the benchmark's simulation (``ems.bench.trace_sim.lru``), not a twin."""
+    requests = tuple(TraceRequest(0, 0, 0, tuple(chain)) for chain in trace)
+    return lru(Trace(requests), capacity_blocks).hit_rate
 
 
 @dataclasses.dataclass(frozen=True)
