@@ -61,17 +61,23 @@ class CcKvOption:
     * ``timeout`` (ms, default 5000, >= 0): the request's deadline, counted from
       submission. ``0`` means *no deadline*: the request runs to completion (it still
       fails with ``EMS_IO_ERROR`` if the pool is lost).
+    * ``write_out`` (default True; an ems extension): False keeps a save's objects in
+      the pool's shared memory only: a daemon's tiers (disk, cluster) do not write
+      them out, so a one-off prompt never reaches the SSD. Loads are unchanged. The
+      embedded pool has no tiers: there it has no effect.
     """
 
     def __init__(self, write_rcache: bool = True, read_local_only: bool = False,
-                 timeout: int = 5000) -> None:
+                 timeout: int = 5000, write_out: bool = True) -> None:
         self.write_rcache = write_rcache
         self.read_local_only = read_local_only
         self.timeout = timeout
+        self.write_out = write_out
 
     def __repr__(self) -> str:
         return (f"CcKvOption(write_rcache={self.write_rcache}, "
-                f"read_local_only={self.read_local_only}, timeout={self.timeout})")
+                f"read_local_only={self.read_local_only}, timeout={self.timeout}, "
+                f"write_out={self.write_out})")
 
 
 class CcConfig:
@@ -194,11 +200,12 @@ def validate_option(option: Any, *, required: bool) -> "CcKvOption":
         raise invalid(f"option must be a CcKvOption, got {type(option).__name__}")
     t = option.timeout
     if type(option.write_rcache) is bool and type(option.read_local_only) is bool and \
-            type(t) is int and t >= 0:  # every call checks: the valid case inline
-        return option
+            type(t) is int and t >= 0 and type(option.write_out) is bool:
+        return option  # every call checks: the valid case inline
     _bool(option.write_rcache, "option.write_rcache")
     _bool(option.read_local_only, "option.read_local_only")
     _int(option.timeout, "option.timeout", 0)
+    _bool(option.write_out, "option.write_out")
     return option
 
 

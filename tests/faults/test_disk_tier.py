@@ -292,6 +292,40 @@ def test_stats_and_metrics_show_the_disk_tier(make_server, workers, tmp_path):
     assert value(fams, "ems_disk_up") == 1
 
 
+def test_a_save_with_write_out_false_stays_in_shared_memory(make_server, workers, tmp_path):
+    """``CcKvOption.write_out=False``: loadable from shared memory, never written to
+    disk (no record; after a restart it misses), counted as ``caller``; a save without
+    it is written as before. Both save paths: 256 KiB reserve/commit, 16 KiB lease Put."""
+    from support.control_support import free_port, scrape, value
+
+    port = free_port()
+    server = make_server(capacity="32M", extra_args=_disk_args(
+        tmp_path, "--metrics-addr", f"127.0.0.1:{port}"))
+    kept = {size: [f"kept-{size}-{i}" for i in range(8)] for size in (256 << 10, 16 << 10)}
+    skip = {size: [f"skip-{size}-{i}" for i in range(8)] for size in (256 << 10, 16 << 10)}
+    for size in kept:
+        assert workers.run(server, "save", keys=skip[size], size=size,
+                           write_out=False) == {"success": 8}
+        assert workers.run(server, "save", keys=kept[size], size=size) == {"success": 8}
+    d = _settled(server, 16)
+    assert d["objects"] == 16 and d["skipped_caller"] == 16 and d["not_admitted"] == 0
+    for size in skip:  # from shared memory, byte for byte
+        assert workers.run(server, "load", keys=skip[size], size=size) == {
+            "success": 8, "wrong": 0}
+    assert value(scrape(port), "ems_disk_admissions_refused", reason="caller") == 16
+    assert value(scrape(port), "ems_disk_objects") == 16
+    _checkpointed(server)
+    server.stop()
+    server.start()  # shared memory is gone: only the disk remains
+    d = _disk(server)
+    assert d["records_recovered"] == 16
+    for size in kept:
+        assert workers.run(server, "load", keys=kept[size], size=size) == {
+            "success": 8, "wrong": 0}
+        assert workers.run(server, "load", keys=skip[size], size=size) == {
+            "success": 0, "wrong": 0}
+
+
 def test_the_directory_removed_turns_the_tier_off_and_the_daemon_serves(make_server, workers,
                                                                         tmp_path):
     import shutil

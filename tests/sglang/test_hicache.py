@@ -72,6 +72,19 @@ def test_settings_openmp_warmup_is_a_checked_switch() -> None:
     assert "openmp_warmup" in str(err.value) and "true or false" in str(err.value)
 
 
+def test_settings_write_out_sets_the_saves_option() -> None:
+    """``write_out`` false in the extra config: every save keeps its pages in the
+    pool's shared memory only (``CcKvOption.write_out``); loads are unchanged."""
+    s = StorageSettings.from_sources({"write_out": False, "timeout_ms": 700}, env={})
+    save, load = s.option("save"), s.option("load")
+    assert (save.write_out, save.timeout, load.write_out, load.timeout) == (
+        False, 700, True, 700)
+    assert StorageSettings.from_sources({}, env={}).option("save").write_out is True
+    with pytest.raises(EmsException) as err:
+        StorageSettings.from_sources({"write_out": 2}, env={})
+    assert "write_out" in str(err.value)
+
+
 # ------------------------------------------------------------------ keys
 def test_keys_carry_the_rank_suffix_sglang_requires() -> None:
     keys = [PageKeys.of(EngineRank.of(FakeStorageConfig(tp_rank=r, tp_size=2)), "m")

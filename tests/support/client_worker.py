@@ -72,7 +72,8 @@ def main() -> int:
     Ems.init(EmsConfig(access_id=args.get("access_id"), access_key=args.get("access_key"),
                        cc_config=CcConfig(rank_id=0, device_id=0, model_id="itest")))
     cc = Ems.get_cc()
-    option = CcKvOption(timeout=args.get("timeout_ms", 20000))
+    option = CcKvOption(timeout=args.get("timeout_ms", 20000),
+                        write_out=args.get("write_out", True))
     size = args.get("size", 4096)
     out: dict = {}
     if command == "save":

@@ -210,8 +210,8 @@ def test_request_options_travel_and_may_be_left_off():
     # a sender that does not know the options: they mean what they meant before
     assert m.Acquire.validate([1, ["k"], [64]]) == [1, ["k"], [64], False, 0]
     assert m.Put.validate([1, ["k"], [0], [64], False]) == [1, ["k"], [0], [64], False,
-                                                             True, 0, None]
-    assert m.Reserve.validate([1, ["k"], [64]]) == [1, ["k"], [64], True, None]
+                                                             True, 0, None, True]
+    assert m.Reserve.validate([1, ["k"], [64]]) == [1, ["k"], [64], True, None, True]
     for bad in ([1, ["k"]], [1, ["k"], [64], True, 250, 7]):
         with pytest.raises(EmsException):
             m.Acquire.validate(bad)

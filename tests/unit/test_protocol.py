@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.protocol import HEADER, MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode
+from ems.protocol import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    encode,
+    encode_wire,
+)
 from ems.protocol import messages as m
 from ems.protocol.framing import DecodeLimitExceeded
 from ems.protocol.messages import auth_mac
@@ -52,8 +59,9 @@ MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
                          st.floats(0, 1e6) | st.integers(0, 10**6), text, u64,
                          st.sampled_from([1, 64, 4096]), u64),
     # (hashes: None, or one u64 per key: the sizes list reused, it has the length)
-    m.Reserve: st.builds(lambda r, ks, h: m.Reserve(r, *ks, hashes=ks[1] if h else None),
-                         rid, _keys_sizes(False), st.booleans()),
+    m.Reserve: st.builds(lambda r, ks, h, o: m.Reserve(r, *ks, hashes=ks[1] if h else None,
+                                                        write_out=o),
+                         rid, _keys_sizes(False), st.booleans(), st.booleans()),
     m.Commit: st.builds(m.Commit, rid, uints),
     m.Abort: st.builds(m.Abort, uints),
     m.Acquire: st.builds(lambda r, ks: m.Acquire(r, *ks), rid, _keys_sizes(True)),
@@ -62,13 +70,14 @@ MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
     m.Stats: st.builds(m.Stats, rid, st.booleans()),
     m.Ping: st.builds(m.Ping, rid),
     m.Lease: st.builds(m.Lease, rid),
-    m.Put: st.builds(lambda r, ks, w, h: m.Put(r, ks[0], ks[1][0], ks[1][1], w,
-                                               hashes=ks[1][1] if h else None), rid,
+    m.Put: st.builds(lambda r, ks, w, h, o: m.Put(r, ks[0], ks[1][0], ks[1][1], w,
+                                                  hashes=ks[1][1] if h else None,
+                                                  write_out=o), rid,
                      st.integers(0, 6).flatmap(lambda n: st.tuples(
                          st.lists(text, min_size=n, max_size=n),
                          st.tuples(st.lists(u64, min_size=n, max_size=n),
                                    st.lists(u64, min_size=n, max_size=n)))),
-                     st.booleans(), st.booleans()),
+                     st.booleans(), st.booleans(), st.booleans()),
     m.Return: st.builds(lambda ls: m.Return(*ls), _parallel(2)),
     m.Leased: st.builds(m.Leased, rid, u64, u64),
     m.Stored: st.builds(m.Stored, rid, st.lists(st.booleans(), max_size=8), u64, u64),
@@ -159,6 +168,28 @@ def test_wrong_field_types_are_protocol_errors(fields: list, code: int) -> None:
         assert exc.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
     else:  # the random fields happened to be valid: then they must round-trip
         assert decode_all(encode(msg[0])) == msg
+
+
+def test_write_out_is_a_trailing_option_old_peers_keep_working() -> None:
+    """An old client's Reserve/Put (no ``write_out``) means write out, as before; a new
+    client leaves the field off unless it is False, so an old daemon takes its
+    default requests (the field count it knows); False travels and is checked."""
+    from ems.client.remote import _trimmed
+
+    old_reserve = encode_wire([m.Reserve.TYPE, 1, ["k"], [64], True, None])
+    assert decode_all(old_reserve) == [m.Reserve(1, ["k"], [64])]
+    assert decode_all(old_reserve)[0].write_out is True
+    old_put = [m.Put.TYPE, 1, ["k"], [0], [64], False, True, 0, None]
+    assert decode_all(encode_wire(old_put))[0].write_out is True
+    new = m.Put.wire(rid=1, keys=["k"], offsets=[0], sizes=[64], want_lease=False,
+                     write_out=True)
+    assert _trimmed(new, True) == old_put  # what a daemon from before the field takes
+    skip = _trimmed(m.Reserve.wire(rid=2, keys=["k"], sizes=[64], write_out=False), False)
+    assert decode_all(encode_wire(skip)) == [m.Reserve(2, ["k"], [64], write_out=False)]
+    with pytest.raises(EmsException) as info:
+        decode_all(encode_wire([m.Reserve.TYPE, 1, ["k"], [64], True, None, 1]))
+    assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
+    assert "Reserve.write_out" in info.value.message()
 
 
 def test_version_mismatch_names_both_versions() -> None:

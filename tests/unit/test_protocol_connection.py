@@ -38,7 +38,7 @@ WIRE = {
     m.Auth: (3, ("mac",)),
     m.Welcome: (4, ("tenant", "segment_id", "segment_size", "reservation_ttl_s", "server",
                     "max_keys", "align", "lease_size")),
-    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache", "hashes")),
+    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache", "hashes", "write_out")),
     m.Commit: (11, ("rid", "tokens", "budget_ms")),
     m.Abort: (12, ("tokens",)),
     m.Acquire: (13, ("rid", "keys", "sizes", "local_only", "budget_ms")),
@@ -48,7 +48,7 @@ WIRE = {
     m.Ping: (17, ("rid",)),
     m.Lease: (18, ("rid",)),
     m.Put: (19, ("rid", "keys", "offsets", "sizes", "want_lease", "write_rcache",
-                 "budget_ms", "hashes")),
+                 "budget_ms", "hashes", "write_out")),
     m.Return: (20, ("offsets", "sizes")),
     m.Granted: (30, ("rid", "statuses", "tokens", "offsets", "sizes")),
     m.Committed: (31, ("rid", "ok")),
@@ -94,16 +94,17 @@ def test_the_daemons_handlers_take_each_message_by_its_field_names():
 
 
 def test_the_hashes_of_a_reserve_or_put_reach_the_handler():
-    """``hashes`` (KV events) is the last field of Reserve and Put; a sender without it
-    (an older client) leaves None, and one hash per key is the rule."""
+    """``hashes`` (KV events) is a trailing option of Reserve and Put (before
+    ``write_out``); a sender without it (an older client) leaves None, and one hash
+    per key is the rule."""
     server = ServerConnection()
     server.phase = Phase.READY
     with_hashes = m.Reserve.wire(rid=1, keys=["a", "b"], sizes=[8, 8], hashes=[1, 2**64 - 1])
     (cls, values), = server.receive(encode_wire(with_hashes))
-    assert cls is m.Reserve and values == [1, ["a", "b"], [8, 8], True, [1, 2**64 - 1]]
-    old = m.Put.wire(rid=2, keys=["a"], offsets=[0], sizes=[8], want_lease=False)[:-3]
-    (cls, values), = server.receive(encode_wire(old))  # (write_rcache, budget_ms, hashes off)
-    assert cls is m.Put and values == [2, ["a"], [0], [8], False, True, 0, None]
+    assert cls is m.Reserve and values == [1, ["a", "b"], [8, 8], True, [1, 2**64 - 1], True]
+    old = m.Put.wire(rid=2, keys=["a"], offsets=[0], sizes=[8], want_lease=False)[:-4]
+    (cls, values), = server.receive(encode_wire(old))  # (the four options off)
+    assert cls is m.Put and values == [2, ["a"], [0], [8], False, True, 0, None, True]
     with pytest.raises(EmsException):  # one hash per key
         list(server.receive(encode_wire(
             m.Put.wire(rid=3, keys=["a"], offsets=[0], sizes=[8], want_lease=False,

@@ -262,6 +262,28 @@ def test_the_stop_flush_writes_what_the_engine_lacks(world):
     assert driver.statistics().flushed_on_stop == 1
 
 
+def test_write_out_false_is_counted_and_passed_over_by_the_stop_flush(world):
+    """The caller's ``write_out`` False: not written out, not remembered by SecondHit,
+    counted; the stop's flush passes it over (within ``skipped_remember``: past it the
+    oldest is forgotten, counted, and flushed); saved again with it True, written."""
+    tenant, maps, loop, make = world
+    engine = DictEngine()
+    engine.admission = SecondHit()
+    driver = make(engine, flush_on_stop_s=5.0, skipped_remember=2)
+    for key in ("a", "b", "c", "d"):
+        _save(tenant, maps, key)
+    driver.stored(tenant, ["a", "b", "c"], [SIZE] * 3, write_out=False)
+    stats = driver.statistics()
+    assert (stats.skipped_caller, stats.skipped_forgotten, stats.not_admitted) == (3, 1, 0)
+    driver.stored(tenant, ["c"], [SIZE])  # SecondHit's first sight of c: not admitted
+    assert driver.statistics().not_admitted == 1 and engine.values == {}
+    driver.close()
+    loop.drain()
+    # a (forgotten past the bound) and c (saved again with write_out) and d are written
+    assert sorted(engine.values) == ["a", "c", "d"]
+    assert driver.statistics().flushed_on_stop == 3
+
+
 def test_a_value_larger_than_the_bound_goes_alone_only_with_a_queue(world):
     tenant, maps, loop, make = world
     queued, queueless = DictEngine(), DictEngine()

@@ -65,7 +65,7 @@ class DictTier(Tier):
         done(n)
         return True
 
-    def stored(self, tenant, keys, sizes, hashes=None) -> None:
+    def stored(self, tenant, keys, sizes, hashes=None, *, write_out=True) -> None:
         self.stored_keys += keys
 
     def evicted(self, tenant, key, size) -> None:

@@ -217,6 +217,7 @@ V0_INVALID = [
     ("write_rcache-int", call(option=CcKvOption(write_rcache=1)), "option.write_rcache"),
     ("read_local_only-none", call(option=CcKvOption(read_local_only=None)),
      "option.read_local_only"),
+    ("write_out-str", call(option=CcKvOption(write_out="no")), "option.write_out"),
     ("keys-none", (CcKvOption(), None, [[bw()]]), "key_list"),
     ("keys-empty", call(keys=[], values=[]), "key_list"),
     ("keys-str", call(keys="ab", values=[[bw()], [bw()]]), "key_list"),

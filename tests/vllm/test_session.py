@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ems import CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException
-from ems.integrations.session import PoolSession, PoolState
+from ems.integrations.session import PoolSession, PoolState, request_write_out
 from ems.integrations.settings import ConnectorSettings
 from ems.testing import run_server
 
@@ -45,6 +45,51 @@ def test_settings_refuse_bad_input_naming_the_key(extra, word):
         ConnectorSettings.from_sources(extra, env={})
     assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
     assert word in info.value.message()
+
+
+def test_write_out_comes_from_the_settings_then_the_requests_params():
+    """``write_out``: the extra config or ``EMS_VLLM_WRITE_OUT``, then a request's own
+    ``kv_transfer_params["ems_write_out"]`` (a bool, or EMS_INVALID_ARGUMENT naming it)."""
+    assert ConnectorSettings.from_sources({}, env={}).option("save").write_out is True
+    off = ConnectorSettings.from_sources({"write_out": False}, env={})
+    assert off.option("save").write_out is False and off.option("load").write_out is True
+    assert off.option("save", True).write_out is True
+    env = ConnectorSettings.from_sources({}, env={"EMS_VLLM_WRITE_OUT": "0"})
+    assert env.write_out is False
+    assert request_write_out(None, True) is True
+    assert request_write_out({"other": 1}, False) is False
+    assert request_write_out({"ems_write_out": False}, True) is False
+    assert request_write_out({"ems_write_out": True}, False) is True
+    for bad in ("no", 0, None):
+        with pytest.raises(EmsException) as info:
+            request_write_out({"ems_write_out": bad}, True)
+        assert info.value.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT
+        assert "ems_write_out" in info.value.message()
+    with pytest.raises(EmsException) as info:
+        ConnectorSettings.from_sources({"write_out": "maybe"}, env={})
+    assert "write_out" in info.value.message()
+
+
+def test_a_save_with_write_out_false_is_not_written_to_the_daemons_disk(tmp_path,
+                                                                         monkeypatch):
+    with run_server(str(tmp_path), capacity="64M",
+                    extra_args=["--disk", str(tmp_path / "disk")]) as server:
+        for k, v in server.client_env().items():
+            monkeypatch.setenv(k, v)
+        settings = ConnectorSettings.from_sources({"health_interval_s": 3600}, env={})
+        s = PoolSession.get(settings, _config())
+        try:
+            s.register(_pages(8, fill=True), BS, real=True)
+            assert s.save([201, 202], _chunks([0, 1]), write_out=False).result() == 2
+            assert s.save([203], _chunks([2])).result() == 1
+            assert s.lookup([201, 202, 203], [BS] * 3) == 3
+            deadline = time.monotonic() + 20
+            while server.stats()["disk"]["objects"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)  # (a block is one object: its layers in one value)
+            disk = server.stats()["disk"]
+            assert disk["skipped_caller"] == 2 and disk["objects"] == 1
+        finally:
+            s.close()
 
 
 # ---------------------------------------------------------------- session

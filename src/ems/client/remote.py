@@ -131,6 +131,18 @@ def _write_rcache(option: Optional[CcKvOption]) -> bool:
     return True if option is None else bool(option.write_rcache)
 
 
+def _write_out(option: Optional[CcKvOption]) -> bool:
+    return True if option is None else bool(option.write_out)
+
+
+def _trimmed(wire: list[Any], write_out: bool) -> list[Any]:
+    """A Reserve or Put as sent: ``write_out`` (its last field) left off when True, so
+    a daemon from before the field takes it as before."""
+    if write_out:
+        del wire[-1]
+    return wire
+
+
 def _read_local_only(option: Optional[CcKvOption]) -> bool:
     return False if option is None else bool(option.read_local_only)
 
@@ -358,17 +370,18 @@ class RemoteTransport(Transport):
             session.post(m.Return.wire(offsets=list(offsets), sizes=sizes))
             raise
         return self._put(session, list(req.keys), offsets, sizes, want, task, spin,
-                         _write_rcache(req.option), req.hashes)
+                         _write_rcache(req.option), req.hashes, _write_out(req.option))
 
     def _put(self, session: Session, keys: list[str], offsets: list[int], sizes: list[int],
              want: bool, task: Task, spin: bool, write_rcache: bool = True,
-             hashes: Optional[list[int]] = None) -> list[bool]:
+             hashes: Optional[list[int]] = None, write_out: bool = True) -> list[bool]:
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
             _, reply = self._call(
-                lambda rid: _put_wire(rid=rid, keys=keys, offsets=offsets, sizes=sizes,
-                                      want_lease=want, write_rcache=write_rcache,
-                                      budget_ms=_budget_ms(task), hashes=hashes),
+                lambda rid: _trimmed(_put_wire(
+                    rid=rid, keys=keys, offsets=offsets, sizes=sizes, want_lease=want,
+                    write_rcache=write_rcache, budget_ms=_budget_ms(task), hashes=hashes,
+                    write_out=write_out), write_out),
                 task, session, spin)
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
@@ -407,13 +420,14 @@ class RemoteTransport(Transport):
         key whether it is stored (EXISTS and BUSY count)."""
         keys, sizes = list(req.keys), list(req.sizes)
         hashes = req.hashes
-        wrc = _write_rcache(req.option)
+        wrc, out = _write_rcache(req.option), _write_out(req.option)
         chunks = _chunks(len(keys), session.max_keys)
 
         def reserve(lo: int, hi: int) -> _Flight:
-            return self._send(lambda rid: m.Reserve(
+            return self._send(lambda rid: _trimmed(m.Reserve.wire(
                 rid=rid, keys=keys[lo:hi], sizes=sizes[lo:hi], write_rcache=wrc,
-                hashes=None if hashes is None else hashes[lo:hi]), task, session)
+                hashes=None if hashes is None else hashes[lo:hi], write_out=out), out),
+                task, session)
         slots: list[Slot] = []
         sent_at = time.monotonic()  # before the daemon starts the reservations' TTL
         flight: Optional[_Flight] = reserve(*chunks[0])

@@ -43,21 +43,36 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ems.client.context_caching import ContextCaching
 from ems.client.cuda import EngineMark, ordered_after
 from ems.client.singleton import Ems
 from ems.config import CcKvOption, EmsConfig
-from ems.errors import EmsErrorCode, EmsException
+from ems.errors import EmsErrorCode, EmsException, invalid
 from ems.futures import CcFuture, CcResult
 from ems.integrations.settings import PoolSettings
 
-__all__ = ["PoolSession", "PoolState"]
+__all__ = ["WRITE_OUT_KEY", "PoolSession", "PoolState", "request_write_out"]
 
 logger = logging.getLogger(__name__)
 
 _LOOKUP_THREADS = 2
+#: the key of a request's own ``write_out`` in vLLM's ``kv_transfer_params``
+WRITE_OUT_KEY = "ems_write_out"
+
+
+def request_write_out(params: Optional[Mapping[str, object]], default: bool) -> bool:
+    """A request's ``CcKvOption.write_out``: ``params[WRITE_OUT_KEY]`` (a bool) where
+    the request gives it, else ``default`` (the settings'). Anything but a bool is
+    ``EMS_INVALID_ARGUMENT`` naming the key."""
+    if not params or WRITE_OUT_KEY not in params:
+        return default
+    value = params[WRITE_OUT_KEY]
+    if type(value) is not bool:
+        raise invalid(f"kv_transfer_params[{WRITE_OUT_KEY!r}] must be a bool, "
+                      f"got {type(value).__name__}")
+    return value
 
 
 class PoolState(enum.Enum):
@@ -243,7 +258,8 @@ class PoolSession:
 
     def save(self, hashes: Sequence[int], chunk_descs: list[list[tuple[int, int]]],
              event_hashes: Optional[Sequence[int]] = None,
-             after: Optional[EngineMark] = None) -> Optional["Future[int]"]:
+             after: Optional[EngineMark] = None, write_out: Optional[bool] = None
+             ) -> Optional["Future[int]"]:
         """Save on this session's save thread (beside the engine); the future gives the
         leading blocks saved (0 when it failed: counted). None: the pool is not usable.
         ``chunk_descs``: per registered layer group, one ``(start_slot, length)`` per
@@ -251,11 +267,12 @@ class PoolSession:
         ``event_hashes``: the engine's own block hashes, which the daemon publishes in
         its KV events (None: none); ``after``: where the engine's writes of these
         blocks end on its stream (:func:`ems.client.cuda.engine_mark`, taken by the
-        caller: the copies of a CUDA cache start after it, on a stream of their own)."""
+        caller: the copies of a CUDA cache start after it, on a stream of their own);
+        ``write_out``: the save's ``CcKvOption.write_out`` (None: the settings')."""
         cc = self.usable()
         if cc is None:
             return None
-        option = CcKvOption(timeout=self.settings.save_timeout_ms)
+        option = self.settings.option("save", write_out)
         return self._saver.submit(self._save, cc, list(hashes), chunk_descs, option,
                                   None if event_hashes is None else list(event_hashes),
                                   after)

@@ -21,6 +21,7 @@ import dataclasses
 import os
 from typing import Any, ClassVar, Mapping, Optional, TypeVar
 
+from ems.config import CcKvOption
 from ems.errors import invalid
 
 __all__ = ["ConnectorSettings", "PoolSettings", "StorageSettings"]
@@ -48,6 +49,10 @@ class PoolSettings:
     save_timeout_ms: int = 10000
     #: how often a down pool is probed (``Ems.check_health``), and an up one checked
     health_interval_s: float = 10.0
+    #: the saves' ``CcKvOption.write_out``: false keeps them in the pool's shared
+    #: memory only (a daemon's disk and cluster tiers do not write them out); vLLM
+    #: takes a request's own ``kv_transfer_params["ems_write_out"]`` over it
+    write_out: bool = True
 
     #: the environment's prefix of these fields (``EMS_VLLM_`` + the upper-case name)
     _ENV_PREFIX: ClassVar[str] = ""
@@ -119,6 +124,14 @@ class PoolSettings:
         if name == "service" and not raw:
             raise invalid(f"{where} must not be empty")
         return raw
+
+    def option(self, op: str, write_out: Optional[bool] = None) -> CcKvOption:
+        """The ``CcKvOption`` of a ``load`` or a ``save``: its deadline, and a save's
+        ``write_out`` (None: these settings'; a load writes nothing out)."""
+        if op == "load":
+            return CcKvOption(timeout=self.load_timeout_ms)
+        return CcKvOption(timeout=self.save_timeout_ms,
+                          write_out=self.write_out if write_out is None else write_out)
 
     def export_pool_env(self) -> None:
         """Hand ``pool`` / ``socket_dir`` to the SDK (which reads its environment)."""

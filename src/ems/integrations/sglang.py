@@ -71,7 +71,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from ems.client.context_caching import ContextCaching
-from ems.config import CcConfig, CcKvOption, EmsConfig
+from ems.config import CcConfig, EmsConfig
 from ems.futures import CcResult
 from ems.integrations.counters import Counters
 from ems.integrations.hicache import (
@@ -241,9 +241,7 @@ class EmsStorage(HiCacheStorage):
         self._openmp.join()
         if not storage_keys:
             return 0
-        timeout = self.settings.load_timeout_ms if op == "load" else \
-            self.settings.save_timeout_ms
-        option = CcKvOption(timeout=timeout)
+        option = self.settings.option(op)  # (a save's write_out: the extra config's)
 
         def call(cc: ContextCaching) -> CcResult:
             if op == "load":

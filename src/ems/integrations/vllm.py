@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ems.client import cuda
 from ems.config import CcConfig_v1, EmsConfig, KVCacheType
+from ems.errors import EmsException
 from ems.integrations.block_keys import ROOT, block_digest, event_hash, key_of
 from ems.integrations.counters import Counters
 from ems.integrations.kv_layout import (
@@ -93,7 +94,7 @@ from ems.integrations.kv_layout import (
     mirror_shapes,
     write_identities,
 )
-from ems.integrations.session import PoolSession
+from ems.integrations.session import PoolSession, request_write_out
 from ems.integrations.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class BlockTransfer:
     #: an asynchronous load (hybrid models): reported in finished_recving, and a
     #: failure in failed_recving (the whole request is recomputed)
     is_async: bool = False
+    #: a save's ``CcKvOption.write_out`` (the request's ``ems_write_out``)
+    write_out: bool = True
 
 
 @dataclasses.dataclass
@@ -198,6 +201,7 @@ class _Plan:
     load_planned: bool = False
     saved_upto: int = -1  # blocks [0, saved_upto) need no save; -1: not set yet
     has_saves: bool = False
+    write_out: Optional[bool] = None  # its saves' write_out; None: not read yet
 
 
 class EmsConnector(KVConnectorBase_V1, SupportsHMA):
@@ -534,12 +538,25 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                 done = i
                 break
         if done > a:
+            if plan.write_out is None:
+                plan.write_out = self._write_out(req_id, plan.request)
             meta.saves.append(BlockTransfer(req_id, [ids[a:done] for ids in plan.block_ids],
                                             self._hashes(plan, done)[a:],
                                             identities=plan.digests[a:done],
-                                            event_hashes=self._event_hashes(plan, a, done)))
+                                            event_hashes=self._event_hashes(plan, a, done),
+                                            write_out=plan.write_out))
             plan.saved_upto = done
             plan.has_saves = True
+
+    def _write_out(self, req_id: str, request: "Request") -> bool:
+        """The request's ``kv_transfer_params["ems_write_out"]``, else the settings'; a
+        bad value is logged once and the settings' kept (the request still runs)."""
+        try:
+            return request_write_out(request.kv_transfer_params, self.settings.write_out)
+        except EmsException as exc:
+            logger.warning("ems: request %s: %s; the saves keep write_out=%s", req_id, exc,
+                           self.settings.write_out)
+            return self.settings.write_out
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them again then (a
@@ -643,7 +660,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
             # the engine never waits for a save (it synchronized its stream here).
             mark = None if device is None else cuda.engine_mark(cuda.torch_ops(), device)
             fut = self._session.save(t.hashes, chunk_descs(t.block_ids, bs),
-                                     t.event_hashes or None, after=mark)
+                                     t.event_hashes or None, after=mark,
+                                     write_out=t.write_out)
             if fut is None:
                 self._counters.add(tokens_save_failed=len(t.hashes) * bs)
                 continue

@@ -17,7 +17,7 @@ A connection goes through two phases::
                                              or Error(EMS_AUTH_FAILED) and close
     ---------------------------- ready ----------------------------------------
     Reserve(rid, keys, sizes,        ->      Granted(rid, statuses, tokens, offsets, sizes)
-            write_rcache, hashes)
+            write_rcache, hashes, write_out)
     Commit(rid, tokens, budget_ms)   ->      Committed(rid, ok)
     Abort(tokens)                    ->      (no reply)
     Acquire(rid, keys, sizes,        ->      Pinned(rid, tokens, offsets, sizes)
@@ -28,7 +28,7 @@ A connection goes through two phases::
     Lease(rid)                       ->      Leased(rid, offset, size)   (size 0: no room)
     Put(rid, keys, offsets, sizes,   ->      Stored(rid, ok, lease_offset, lease_size)
         want_lease, write_rcache,
-        budget_ms, hashes)
+        budget_ms, hashes, write_out)
     Return(offsets, sizes)           ->      (no reply)
     Stats(rid, all_tenants)          ->      StatsReply(rid, stats)
     Ping(rid)                        ->      Pong(rid)
@@ -46,6 +46,11 @@ The option fields are the last ones and have defaults; a sender may leave them o
 block hash of each key (vLLM's, as it publishes them in its KV events), which a daemon
 with KV events (``ems.server.kv_events``) publishes when the keys are stored; it
 changes nothing else.
+
+``write_out`` (Reserve, Put; CcKvOption.write_out, default True): False keeps the new
+objects of the save in shared memory only: the daemon's tiers do not write them out (no
+disk record, no cluster write-behind; counted as ``skipped_caller``). A client leaves
+the field off when it is True, so a daemon from before it takes the request as before.
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -474,6 +479,7 @@ class Reserve(Message):
     sizes: list = _field(_uints)
     write_rcache: bool = _field(_bool, True)
     hashes: Optional[list] = _field(_opt(_uints), None)
+    write_out: bool = _field(_bool, True)
     PARALLEL = (("keys", "sizes", "hashes"),)
 
 
@@ -553,6 +559,7 @@ class Put(Message):
     write_rcache: bool = _field(_bool, True)
     budget_ms: int = _field(_uint, 0)
     hashes: Optional[list] = _field(_opt(_uints), None)
+    write_out: bool = _field(_bool, True)
     PARALLEL = (("keys", "offsets", "sizes", "hashes"),)
 
 

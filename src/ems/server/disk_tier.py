@@ -164,7 +164,9 @@ class DiskEngine(Engine):
                    inflight_write_bytes=books.inflight_bytes,
                    admissions_refused=books.refused, queue_dropped=books.dropped,
                    evicted_before_write=books.evicted_before_write,
-                   not_admitted=books.not_admitted, read_timeouts=books.read_timeouts,
+                   not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
+                   skipped_forgotten=books.skipped_forgotten,
+                   read_timeouts=books.read_timeouts,
                    flushed_on_stop=books.flushed_on_stop)
         return row
 

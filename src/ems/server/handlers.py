@@ -176,9 +176,13 @@ class Handlers:
         return (0, 0) if offset is None else (offset, size)
 
     def _stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
-                hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+                hashes: Optional[Sequence[Optional[int]]] = None, write_out: bool = True
+                ) -> None:
         for tier in self._stored_tiers:
-            tier.stored(tenant, keys, sizes, hashes)
+            if isinstance(tier, Tier):  # (an observer watches shared memory only)
+                tier.stored(tenant, keys, sizes, hashes, write_out=write_out)
+            else:
+                tier.stored(tenant, keys, sizes, hashes)
 
     def _stored_here(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int]) -> None:
         """Objects another host's save brought into shared memory (a cluster fill): the
@@ -191,8 +195,8 @@ class Handlers:
     # One per request type; after (session, pool), the message's fields by name, in the
     # order of their one definition in ``ems.protocol.messages``.
     def _on_reserve(self, session: Session, pool: Pool, rid: int, keys: list[str],
-                    sizes: list[int], write_rcache: bool, hashes: Optional[list[int]]
-                    ) -> None:
+                    sizes: list[int], write_rcache: bool, hashes: Optional[list[int]],
+                    write_out: bool = True) -> None:
         if any(size <= 0 for size in sizes):
             self._error(session, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
             return
@@ -202,7 +206,8 @@ class Handlers:
             for i, (key, g) in enumerate(zip(keys, grants)):
                 if g.status is _NEW:
                     mine[g.token] = Reservation(key, g.offset, g.size, write_rcache,
-                                                None if hashes is None else hashes[i])
+                                                None if hashes is None else hashes[i],
+                                                write_out)
         self._reply(session, m.Granted.wire(rid=rid, statuses=[int(g.status) for g in grants],
                                             tokens=[g.token for g in grants],
                                             offsets=[g.offset for g in grants],
@@ -223,9 +228,11 @@ class Handlers:
         for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id)):
             ok[i] = good
         new = [e for i in local if ok[i] and (e := entries[i]) is not None]
-        if new:
-            self._stored(session.tenant, [e.key for e in new],  # type: ignore[arg-type]
-                         [e.size for e in new], [e.hash for e in new])
+        for out in (True, False):  # (one save has one write_out: one call)
+            part = [e for e in new if e.write_out is out]
+            if part:
+                self._stored(session.tenant, [e.key for e in part],  # type: ignore[arg-type]
+                             [e.size for e in part], [e.hash for e in part], out)
         if not through:
             self._reply(session, m.Committed.wire(rid=rid, ok=ok))
             return
@@ -250,7 +257,8 @@ class Handlers:
 
     def _on_put(self, session: Session, pool: Pool, rid: int, keys: list[str],
                 offsets: list[int], sizes: list[int], want_lease: bool, write_rcache: bool,
-                budget_ms: int, hashes: Optional[list[int]]) -> None:
+                budget_ms: int, hashes: Optional[list[int]], write_out: bool = True
+                ) -> None:
         tenant = session.tenant
         assert tenant is not None
         through = self._through
@@ -282,7 +290,7 @@ class Handlers:
             new = [i for i, st in enumerate(statuses) if st is _NEW]
             if new:
                 self._stored(tenant, [keys[i] for i in new], [sizes[i] for i in new],
-                             None if hashes is None else [hashes[i] for i in new])
+                             None if hashes is None else [hashes[i] for i in new], write_out)
 
     def _on_return(self, session: Session, pool: Pool, offsets: list[int], sizes: list[int]
                    ) -> None:

@@ -33,7 +33,8 @@ ems_disk_tenant_used_bytes, _objects,       tenant                  a tenant's s
 ems_disk_tenant_quota_bytes
 ems_disk_admissions_refused_total           reason                  no_space, quota, budget,
                                                                     io_error, too_large,
-                                                                    queue_full
+                                                                    queue_full, caller
+                                                                    (CcKvOption.write_out)
 ems_disk_read_errors_total                  kind                    damaged, io_error,
                                                                     timeout
 ems_disk_records_recovered, _recovery_      -                       the last start's
@@ -250,6 +251,7 @@ def _disk_families(disk: dict[str, Any], tenants: dict[str, Any]) -> Iterator[An
     for reason in ("no_space", "quota", "budget", "io_error", "too_large"):
         refused.add_metric([reason], disk.get(f"refused_{reason}", 0))
     refused.add_metric(["queue_full"], disk.get("queue_dropped", 0))
+    refused.add_metric(["caller"], disk.get("skipped_caller", 0))
     yield refused
     errors = CounterMetricFamily("ems_disk_read_errors", "disk reads that did not hit",
                                  labels=["kind"])

@@ -43,6 +43,8 @@ class Reservation:
     write_rcache: bool
     #: the engine's block hash of the key (KV events), if the save carried one
     hash: Optional[int] = None
+    #: the save's ``write_out`` (False: the tiers do not write it out)
+    write_out: bool = True
 
 
 @dataclasses.dataclass(eq=False)

@@ -238,6 +238,10 @@ class DriverSettings:
     bound_setting: str = "inflight_bytes"
     #: at stop, write what shared memory holds and the engine lacks, for at most (s)
     flush_on_stop_s: float = 0.0
+    #: keys saved with ``write_out`` False remembered, so the stop's flush passes them
+    #: over (an LRU; past it the oldest are forgotten, counted as
+    #: ``skipped_forgotten``, and a stop may write those out)
+    skipped_remember: int = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +260,10 @@ class DriverStatistics:
     #: saves past the queue or in-flight bound, not written out
     dropped: int
     not_admitted: int
+    #: new objects the caller asked to keep in shared memory (``CcKvOption.write_out``)
+    skipped_caller: int
+    #: of those, the ones past ``skipped_remember`` (a stop's flush may write them)
+    skipped_forgotten: int
     evicted_before_write: int
     read_timeouts: int
     read_damaged: int
@@ -311,6 +319,9 @@ class TierDriver(Tier):
         self._fetches = FetchBook((f"ems-{engine.name}", "fetch"))
         self._write_owner = (f"ems-{engine.name}", "write")
         self._queue: collections.deque[_Pending] = collections.deque()
+        #: (tenant, key) of the objects saved with ``write_out`` False (see ``stored``)
+        self._skipped: collections.OrderedDict[tuple[str, str], None] = (
+            collections.OrderedDict())
         self._queued_bytes = 0
         self._inflight_bytes = 0
         self._inflight_per_tenant: dict[str, int] = {}
@@ -485,11 +496,27 @@ class TierDriver(Tier):
 
     # ------------------------------------------------------------ writes
     def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
-               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
-        """Write the new objects of a save out (admission, then the bounds)."""
+               hashes: Optional[Sequence[Optional[int]]] = None, *,
+               write_out: bool = True) -> None:
+        """Write the new objects of a save out (the caller's ``write_out``, admission,
+        then the bounds)."""
         if not self._usable():
             return
         self._meet(tenant)
+        skipped = self._skipped
+        if not write_out:  # before the policy: SecondHit does not remember them
+            self._counters.add(tenant, skipped_caller=len(keys))
+            for key in keys:
+                skipped[(tenant.name, key)] = None
+            forgotten = len(skipped) - self.settings.skipped_remember
+            if forgotten > 0:
+                self._counters.add(tenant, skipped_forgotten=forgotten)
+                for _ in range(forgotten):
+                    skipped.popitem(last=False)
+            return
+        if skipped:  # a key saved again after it left shared memory, to be written now
+            for key in keys:
+                skipped.pop((tenant.name, key), None)
         admission = self.engine.admission
         admitted: list[tuple[str, int]] = []
         for key, size in zip(keys, sizes):
@@ -631,6 +658,8 @@ class TierDriver(Tier):
             bytes_out=c.get("bytes_out", 0),
             refused={k[len("refused_"):]: v for k, v in c.items() if k.startswith("refused_")},
             dropped=c.get("dropped", 0), not_admitted=c.get("not_admitted", 0),
+            skipped_caller=c.get("skipped_caller", 0),
+            skipped_forgotten=c.get("skipped_forgotten", 0),
             evicted_before_write=c.get("evicted_before_write", 0),
             read_timeouts=c.get("read_timeouts", 0), read_damaged=c.get("read_damaged", 0),
             read_io_errors=c.get("read_io_errors", 0),
@@ -672,8 +701,9 @@ class TierDriver(Tier):
             self._meet(tenant)
             pool = tenant.pool
             for key in pool.keys():
-                if not isinstance(key, str) or self.engine.lookup(tenant, [key], None):
-                    continue
+                if not isinstance(key, str) or (tenant.name, key) in self._skipped or \
+                        self.engine.lookup(tenant, [key], None):
+                    continue  # (not a key, the caller's write_out False, held already)
                 got = pool.acquire([key], None, self._write_owner, count=False)
                 if got:
                     jobs.append((tenant, key, got[0]))

@@ -105,10 +105,12 @@ class Tier:
         return False
 
     def stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
-               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+               hashes: Optional[Sequence[Optional[int]]] = None, *,
+               write_out: bool = True) -> None:
         """New objects were committed in ``tenant``'s pool (a save's NEW keys);
         ``hashes``: the engine's block hash of each key, where the save carried them
-        (KV events)."""
+        (KV events); ``write_out`` False: the caller asked that they stay in shared
+        memory (``CcKvOption.write_out``): not written out, counted."""
 
     def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
                      deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
