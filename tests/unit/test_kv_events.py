@@ -98,6 +98,27 @@ def test_evicted_keys_name_the_hashes_they_were_stored_with(publisher, subscribe
     assert s.untracked_removals == 2 and s.tracked_keys == 1
 
 
+def test_one_map_serves_every_tier_until_the_last_one_removes_a_key(publisher, subscriber):
+    """The disk copies keys from shared memory (``copied``: BlockStored there of the
+    hash their save brought); a key leaves the map only when no tier holds it, and a
+    tier that never held a key removes nothing of it."""
+    publisher.stored("t", [21, 22], keys=[_key(1), _key(2)])
+    publisher.copied("t", [_key(1), _key(2), _key(3)], "ems-disk")  # _key(3): no hash
+    publisher.evicted("t", [_key(1)], "ems-shm")  # still on disk: still tracked
+    publisher.evicted("t", [_key(1)], "ems-shm")  # no longer in shared memory
+    assert publisher.statistics().tracked_keys == 2
+    publisher.evicted("t", [_key(1), _key(2)], "ems-disk")
+    publisher.evicted("t", [_key(1)], "ems-disk")  # forgotten now: untracked
+    got = [(events[0]["type"], events[0]["medium"], events[0]["ownership"],
+            events[0]["block_hashes"]) for _, _, _, events in _receive(subscriber, 4)]
+    assert got == [("BlockStored", "CPU", "ems-shm", [21, 22]),
+                   ("BlockStored", "STORAGE", "ems-disk", [21, 22]),
+                   ("BlockRemoved", "CPU", "ems-shm", [21]),
+                   ("BlockRemoved", "STORAGE", "ems-disk", [21, 22])]
+    s = publisher.statistics()
+    assert s.tracked_keys == 1 and s.untracked_removals == 2  # _key(2) in shared memory
+
+
 def test_tracked_keys_are_bounded_oldest_first():
     pub = KvEventPublisher("tcp://127.0.0.1:0", host="h", max_tracked_keys=2)
     try:
