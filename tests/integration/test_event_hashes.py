@@ -162,38 +162,40 @@ def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_en
     def of(kind: str, tier: str) -> set[int]:
         return got.get((kind, tier), set())
     try:
-        server = make_server(capacity="160M", extra_args=[
-            "--disk", str(tmp_path / "disk"), "--disk-capacity", "64M",
+        # two 64 MiB disk regions (one would leave the tenant's disk share, a little
+        # less than the disk, no region to evict while a write is in flight: refused)
+        server = make_server(capacity="256M", extra_args=[
+            "--disk", str(tmp_path / "disk"), "--disk-capacity", "128M",
             "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-d"])
         client_env(server)
         Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ed")))
         try:
             cc = Ems.get_cc()
-            cc.register_kvcache([[torch.randn(64, BS, 2, 8192)]])  # 256 KiB a block
+            cc.register_kvcache([[torch.randn(64, BS, 2, 32768)]])  # 1 MiB a block
             opt = CcKvOption(timeout=5000)
             for warm in range(50):  # until the subscription is up (a SUB joins late)
                 assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
                                event_hashes=[9000 + warm]).success == 1
                 if poller.poll(200):
                     break
-            first = list(range(1000, 1032))  # 32 x 256 KiB
+            first = list(range(1000, 1032))  # 32 x 1 MiB
             assert cc.save(hashes=list(range(32)), chunk_descs=_chunks(range(32)),
                            option=opt, event_hashes=first).success == 32
             drain(lambda: set(first) <= of("BlockStored", "ems-disk"))
             assert set(first) <= of("BlockStored", "ems-shm")
             assert set(first) <= of("BlockStored", "ems-disk")  # written to disk
             assert not of("BlockRemoved", "ems-disk")
-            # 288 more blocks (72 MiB) fill the disk's 64 MiB region: it is evicted
-            for j in range(9):
+            # 160 more blocks (160 MiB) fill the disk: its first region is evicted
+            for j in range(5):
                 hs = list(range(100 + 32 * j, 132 + 32 * j))
                 assert cc.save(hashes=hs, chunk_descs=_chunks(range(32)), option=opt,
                                event_hashes=[h + 5000 for h in hs]).success == 32
-            drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"))
+            drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"), 60.0)
         finally:
             Ems.finalize()
-        assert set(first) <= of("BlockRemoved", "ems-disk")
-        assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
         disk = server.stats()["disk"]
+        assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
+        assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
         assert disk["regions_evicted"] >= 1
     finally:
         sub.close(0)

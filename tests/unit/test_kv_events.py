@@ -83,6 +83,9 @@ def test_stored_removed_in_vllms_fields_with_increasing_seq(publisher, subscribe
                        "locality": "LOCAL", "ownership": "ems-disk"}
     assert msgs[2][3][0]["locality"] == "REMOTE"
     assert msgs[2][3][0]["ownership"] == "ems-cluster"
+    deadline = time.monotonic() + 5  # the sender counts a batch just after sending it
+    while publisher.statistics().published_hashes < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
     s = publisher.statistics()
     assert s.published_hashes >= 5 and s.dropped_batches == 0
 

@@ -45,8 +45,10 @@ The queue between the daemon's thread and the publisher's is bounded: when full,
 oldest batch is dropped and counted (``statistics().dropped_batches``), never the
 daemon blocked. ``BlockRemoved`` needs the hashes of evicted keys, which the daemon
 knows only by key: :meth:`KvEventPublisher.stored` remembers ``key -> hash`` per
-tenant (at most ``max_tracked_keys``, the oldest forgotten first and counted), and
-:meth:`KvEventPublisher.evicted` turns keys back into hashes.
+tenant (at most ``max_tracked_keys``, the oldest forgotten first and counted), with
+the tiers that hold the key (:meth:`KvEventPublisher.copied`: the disk wrote it), and
+:meth:`KvEventPublisher.evicted` turns keys back into hashes, forgetting a key when
+the last tier holding it removed it.
 """
 
 from __future__ import annotations
