@@ -13,6 +13,12 @@ bits, unsigned; with vLLM installed, :func:`prompt_hashes` computes them for sha
 no PYTHONHASHSEED, vLLM's defaults). A prefix counts only while it is unbroken: block
 ``i`` helps only when blocks ``0..i-1`` are there too (a prefix cache needs them all).
 
+Tiers by their labels: ems names its tier in ``ownership`` (``ems-shm``, ``ems-disk``;
+``medium`` CPU / STORAGE), vLLM's own tiers only in ``medium``. A block evicted from a
+host's shared memory but still on its disk stays there at the disk's weight, so a host
+whose disk holds a prefix beats one that holds none, and one whose memory holds it
+beats a disk (``tests/integration/test_kv_router.py`` checks both on real daemons).
+
 A gap in a host's sequence numbers means lost messages: this router then forgets that
 host (a real router would ask the replay endpoint). ``AllBlocksCleared`` forgets it too.
 
@@ -158,8 +164,9 @@ def main() -> None:
     space = "0123456789abcdef01234567"
     keys = [f"v1:{space}:{i}" for i in range(4)]
     a.stored("tenant", prompt, "ems-shm", keys=keys)  # all 4 blocks in host-a's memory
-    b.stored("tenant", prompt[:2], "ems-shm", keys=keys[:2])  # 2 in host-b's memory
-    b.stored("tenant", prompt[2:], "ems-disk", keys=keys[2:])  # and 2 on its disk
+    b.stored("tenant", prompt, "ems-shm", keys=keys)  # and in host-b's,
+    b.copied("tenant", keys, "ems-disk")  # written to host-b's disk,
+    b.evicted("tenant", keys[2:], "ems-shm")  # 2 of them since only there
     _wait(lambda: router.held("host-a") == 4 and router.held("host-b") == 4)
     print("prefix held: pick %s (score %.2f)" % router.pick(prompt))
     a.evicted("tenant", keys[:1])  # host-a loses block 0: its prefix is broken

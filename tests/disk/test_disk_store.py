@@ -386,6 +386,33 @@ def test_quota_evicts_the_tenants_least_recently_used_region(tmp_path):
         store.close()
 
 
+def test_on_removed_names_the_keys_that_left_the_index(tmp_path):
+    """KV events' seam: an evicted region's keys (those whose record lived there, not
+    a key rewritten since into a newer region) and a deleted key, each told once,
+    outside the store's lock (the callback reads the store)."""
+    region = 128 * KiB  # 6 records of 16 KiB (+ a 4 KiB header) per region
+    removed: list[tuple[str, list[str]]] = []
+    store = DiskStore(DiskSettings(str(tmp_path), 64 * region, region_bytes=region,
+                                   checkpoint_s=0),
+                      on_removed=lambda t, keys: removed.append(
+                          (t, [k for k in keys if not store.contains(t, k)])))
+    store.open()
+    assert store.wait_recovered(30)
+    try:
+        store.set_quota("a", 2 * region)
+        for i in range(6):
+            assert store.write("a", f"k{i}", value_of(f"k{i}", 16 * KiB)) is WriteResult.WRITTEN
+        assert store.write("a", "k0", value_of("k0", 8 * KiB)) is WriteResult.WRITTEN  # newer
+        for i in range(6, 13):  # the first region evicted for the last one
+            assert store.write("a", f"k{i}", value_of(f"k{i}", 16 * KiB)) is WriteResult.WRITTEN
+        assert removed == [("a", ["k1", "k2", "k3", "k4", "k5"])]  # not k0: it moved
+        store.delete("a", "k6")
+        store.delete("a", "k6")  # gone already: not told again
+        assert removed[1:] == [("a", ["k6"])]
+    finally:
+        store.close()
+
+
 def test_the_write_budget_refuses_past_its_share(tmp_path):
     clock = [0.0]
     settings = DiskSettings(str(tmp_path), 256 * MiB, region_bytes=4 * MiB, checkpoint_s=0,

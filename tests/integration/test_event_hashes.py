@@ -125,3 +125,78 @@ def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env):
     finally:
         sub.close(0)
         ctx.term()
+
+
+def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_env, tmp_path):
+    """``ems-server --disk DIR --kv-events``: a save with hashes -> ``BlockStored`` in
+    shared memory (CPU, ems-shm) and, once written to disk, on the disk (STORAGE,
+    ems-disk); the disk's one region evicted to make room for more -> ``BlockRemoved``
+    (STORAGE, ems-disk) of the hashes it held, while shared memory (large enough for
+    everything) removes none."""
+    zmq = pytest.importorskip("zmq")
+    from support.control_support import free_port
+
+    from ems.server.kv_events import decode_batch
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    got: dict[tuple[str, str], set[int]] = {}
+
+    def drain(until, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not until():
+            if not poller.poll(200):
+                continue
+            for event in decode_batch(sub.recv_multipart()[2])[1]:
+                if event["type"] in ("BlockStored", "BlockRemoved"):
+                    assert event["locality"] == "LOCAL"
+                    assert (event["medium"], event["ownership"]) in (
+                        ("CPU", "ems-shm"), ("STORAGE", "ems-disk"))
+                    got.setdefault((event["type"], event["ownership"]), set()).update(
+                        event["block_hashes"])
+
+    def of(kind: str, tier: str) -> set[int]:
+        return got.get((kind, tier), set())
+    try:
+        # two 64 MiB disk regions (one would leave the tenant's disk share, a little
+        # less than the disk, no region to evict while a write is in flight: refused)
+        server = make_server(capacity="256M", extra_args=[
+            "--disk", str(tmp_path / "disk"), "--disk-capacity", "128M",
+            "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-d"])
+        client_env(server)
+        Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ed")))
+        try:
+            cc = Ems.get_cc()
+            cc.register_kvcache([[torch.randn(64, BS, 2, 32768)]])  # 1 MiB a block
+            opt = CcKvOption(timeout=5000)
+            for warm in range(50):  # until the subscription is up (a SUB joins late)
+                assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
+                               event_hashes=[9000 + warm]).success == 1
+                if poller.poll(200):
+                    break
+            first = list(range(1000, 1032))  # 32 x 1 MiB
+            assert cc.save(hashes=list(range(32)), chunk_descs=_chunks(range(32)),
+                           option=opt, event_hashes=first).success == 32
+            drain(lambda: set(first) <= of("BlockStored", "ems-disk"))
+            assert set(first) <= of("BlockStored", "ems-shm")
+            assert set(first) <= of("BlockStored", "ems-disk")  # written to disk
+            assert not of("BlockRemoved", "ems-disk")
+            # 160 more blocks (160 MiB) fill the disk: its first region is evicted
+            for j in range(5):
+                hs = list(range(100 + 32 * j, 132 + 32 * j))
+                assert cc.save(hashes=hs, chunk_descs=_chunks(range(32)), option=opt,
+                               event_hashes=[h + 5000 for h in hs]).success == 32
+            drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"), 60.0)
+        finally:
+            Ems.finalize()
+        disk = server.stats()["disk"]
+        assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
+        assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
+        assert disk["regions_evicted"] >= 1
+    finally:
+        sub.close(0)
+        ctx.term()

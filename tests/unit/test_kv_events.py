@@ -83,6 +83,9 @@ def test_stored_removed_in_vllms_fields_with_increasing_seq(publisher, subscribe
                        "locality": "LOCAL", "ownership": "ems-disk"}
     assert msgs[2][3][0]["locality"] == "REMOTE"
     assert msgs[2][3][0]["ownership"] == "ems-cluster"
+    deadline = time.monotonic() + 5  # the sender counts a batch just after sending it
+    while publisher.statistics().published_hashes < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
     s = publisher.statistics()
     assert s.published_hashes >= 5 and s.dropped_batches == 0
 
@@ -96,6 +99,27 @@ def test_evicted_keys_name_the_hashes_they_were_stored_with(publisher, subscribe
     assert removed[3][0]["block_hashes"] == [13, 11]
     s = publisher.statistics()
     assert s.untracked_removals == 2 and s.tracked_keys == 1
+
+
+def test_one_map_serves_every_tier_until_the_last_one_removes_a_key(publisher, subscriber):
+    """The disk copies keys from shared memory (``copied``: BlockStored there of the
+    hash their save brought); a key leaves the map only when no tier holds it, and a
+    tier that never held a key removes nothing of it."""
+    publisher.stored("t", [21, 22], keys=[_key(1), _key(2)])
+    publisher.copied("t", [_key(1), _key(2), _key(3)], "ems-disk")  # _key(3): no hash
+    publisher.evicted("t", [_key(1)], "ems-shm")  # still on disk: still tracked
+    publisher.evicted("t", [_key(1)], "ems-shm")  # no longer in shared memory
+    assert publisher.statistics().tracked_keys == 2
+    publisher.evicted("t", [_key(1), _key(2)], "ems-disk")
+    publisher.evicted("t", [_key(1)], "ems-disk")  # forgotten now: untracked
+    got = [(events[0]["type"], events[0]["medium"], events[0]["ownership"],
+            events[0]["block_hashes"]) for _, _, _, events in _receive(subscriber, 4)]
+    assert got == [("BlockStored", "CPU", "ems-shm", [21, 22]),
+                   ("BlockStored", "STORAGE", "ems-disk", [21, 22]),
+                   ("BlockRemoved", "CPU", "ems-shm", [21]),
+                   ("BlockRemoved", "STORAGE", "ems-disk", [21, 22])]
+    s = publisher.statistics()
+    assert s.tracked_keys == 1 and s.untracked_removals == 2  # _key(2) in shared memory
 
 
 def test_tracked_keys_are_bounded_oldest_first():

@@ -93,10 +93,12 @@ class Refusal(enum.Enum):
 
 @dataclass(frozen=True)
 class Evicted:
-    """A region the index gave up: the store deletes its file."""
+    """A region the index gave up: the store deletes its file. ``keys``: the entries
+    that went with it (the keys whose record lived there; KV events name them)."""
 
     tenant: str
     region: int
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -284,10 +286,12 @@ class DiskIndex:
 
     def _evict(self, r: _Region) -> Evicted:
         entries = self._entries.get(r.tenant, {})
+        gone: list[str] = []
         for key in r.keys:
             packed = entries.get(key)
             if packed is not None and _region_of(packed) == r.id:
                 del entries[key]
+                gone.append(key)
                 self._value_bytes[r.tenant] -= Location.unpack(packed).size
         del self._regions[r.id]
         del self._by_tenant[r.tenant][r.id]
@@ -295,7 +299,7 @@ class DiskIndex:
             del self._active[r.tenant]
         self.used_bytes -= r.end
         self._tenant_bytes[r.tenant] -= r.end
-        return Evicted(r.tenant, r.id)
+        return Evicted(r.tenant, r.id, tuple(gone))
 
     # --- recovery and checkpoints ----------------------------------------------------
 

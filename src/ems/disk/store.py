@@ -134,8 +134,13 @@ class DiskStore:
     """See the module docstring. Construct, :meth:`open`, use, :meth:`close`."""
 
     def __init__(self, settings: DiskSettings, *, clock: Clock = time.monotonic,
-                 fs: FileSystem = LOCAL) -> None:
+                 fs: FileSystem = LOCAL,
+                 on_removed: Optional[Callable[[str, Sequence[str]], None]] = None) -> None:
+        """``on_removed(tenant, keys)``: told (on the thread that removed them, outside
+        the store's lock) of the keys that left the index: their region evicted or lost,
+        their record damaged, or deleted (KV events' ``BlockRemoved``)."""
         self.settings = settings
+        self._on_removed = on_removed
         self._clock = clock
         self._fs = fs
         self._root = os.path.abspath(settings.path)
@@ -432,6 +437,7 @@ class DiskStore:
                 f, failed = None, exc
         try:
             self._delete_files(gone)
+            self._removed(res.evicted)
             if f is None:
                 assert failed is not None
                 result = self._write_failed(res, failed)
@@ -516,7 +522,9 @@ class DiskStore:
         if self._state is not DiskState.OK:
             return
         with self._lock:
-            self._index.remove(tenant, key)
+            gone = self._index.remove(tenant, key)
+        if gone is not None and self._on_removed is not None:
+            self._on_removed(tenant, [key])
 
     def set_quota(self, tenant: str, quota_bytes: Optional[int]) -> None:
         """Bound ``tenant``'s disk bytes (None: only the capacity bounds them); a tenant
@@ -546,14 +554,19 @@ class DiskStore:
             if into.nbytes != loc.size:
                 raise ValueError(f"read into {into.nbytes} bytes, {key!r} has {loc.size}")
             try:
-                f = self._file(loc.region, tenant, create=False)
+                f: Optional[RegionFile] = self._file(loc.region, tenant, create=False)
             except FileNotFoundError:
-                self._forget_files((self._index.drop_region(loc.region),))
+                lost: Optional[Evicted] = self._index.drop_region(loc.region)
+                self._forget_files((lost,))
                 self._c["records_dropped_damaged"] += 1
-                return self._count_read(ReadResult.DAMAGED, locked=True)
+                f = None
             except OSError:
                 return self._count_read(ReadResult.IO_ERROR, locked=True)
-            self._index.touch(loc.region)
+            else:
+                self._index.touch(loc.region)
+        if f is None:
+            self._removed((lost,))
+            return self._count_read(ReadResult.DAMAGED)
         result = self._read_record(f, tenant, key, loc, into, deadline)
         if result is ReadResult.HIT:
             self._read_lat.add(self._clock() - t0)
@@ -583,8 +596,11 @@ class DiskStore:
                        or value_checksum(head[:h.meaningful], into) != h.value_xxh3)
         if damaged:
             with self._lock:
-                if self._index.remove(tenant, key, seq=loc.seq) is not None:
+                dropped = self._index.remove(tenant, key, seq=loc.seq) is not None
+                if dropped:
                     self._c["records_dropped_damaged"] += 1
+            if dropped and self._on_removed is not None:
+                self._on_removed(tenant, [key])
             return ReadResult.DAMAGED
         with self._lock:
             self._c["bytes_read"] += loc.size
@@ -640,6 +656,14 @@ class DiskStore:
             paths.append(region_path(self._root, e.tenant, e.region))
             self._c["regions_evicted"] += 1
         return paths
+
+    def _removed(self, evicted: Sequence[Optional[Evicted]]) -> None:
+        """Outside the lock: tell ``on_removed`` the keys that went with ``evicted``."""
+        if self._on_removed is None:
+            return
+        for e in evicted:
+            if e is not None and e.keys:
+                self._on_removed(e.tenant, e.keys)
 
     def _delete_files(self, paths: list[str]) -> None:
         """Remove evicted regions' files; the next checkpoint syncs their directories

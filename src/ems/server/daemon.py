@@ -65,7 +65,7 @@ from ems.server.listener import Listener, ListenError
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantRegistry
-from ems.server.tiers import Observer, Tier
+from ems.server.tiers import Observer, Tier, TierEvents
 
 if TYPE_CHECKING:
     from ems.server.kv_events import KvEventPublisher
@@ -175,26 +175,31 @@ class Daemon:
             s.setblocking(False)
         self._watch(self._wake_r, "wake")
         if not self.tiers:  # last: a daemon that cannot serve starts no tier's threads
+            events = None
+            if self.kv_events is not None:
+                from ems.server.events_observer import EventsObserver
+                events = EventsObserver(self.kv_events)
             try:
-                self.tiers = self._start_tiers()
+                self.tiers = self._start_tiers(events)
             except DaemonError:
                 self._listener.close()
                 self._release_lock()
                 raise
-            if self.kv_events is not None:
-                from ems.server.events_observer import EventsObserver
-                self.observers = [EventsObserver(self.kv_events)]
+            if events is not None:
+                self.observers = [events]
             self.handlers = Handlers(self.limits, self.tiers, self, self.refused,
                                      self.observers)
         self._started = time.monotonic()
 
-    def _start_tiers(self) -> list[Tier]:
-        """The tiers of ``config``, in lookup order: disk, then cluster."""
+    def _start_tiers(self, events: Optional[TierEvents]) -> list[Tier]:
+        """The tiers of ``config``, in lookup order: disk, then cluster (``events``:
+        told of the disk's stores and removals, for KV events)."""
         tiers: list[Tier] = []
         try:
             if self.config.disk is not None:
                 from ems.server import disk_tier
-                tiers.append(disk_tier.start(self.config, self, lambda: iter(self.registry)))
+                tiers.append(disk_tier.start(self.config, self, lambda: iter(self.registry),
+                                             events))
             if self.config.cluster:
                 from ems.server import cluster_tier
                 tiers.append(cluster_tier.start(self.config, self))

@@ -48,6 +48,11 @@ counter), shared memory keeps serving; EIO on a read -> a miss, counted; the
 directory removed or unwritable -> the store turns off (one error line) and the
 daemon keeps serving from shared memory.
 
+KV events (``--kv-events``): a record written -> ``BlockStored``, a key that left the
+disk (its region evicted, its record damaged or its file lost) -> ``BlockRemoved``,
+both with medium ``ems-disk`` and for keys whose save brought the engine's hashes
+(``ems.server.tiers.TierEvents``; the store names the keys an evicted region held).
+
 Stop: SIGTERM writes the objects of shared memory that are not on disk yet, for at
 most ``flush_on_stop_s``, then checkpoints and marks a clean shutdown, so the next
 start skips the scan and finds everything that fitted on the disk.
@@ -74,12 +79,14 @@ from ems.server.tier_driver import (
     TierDriver,
     Written,
 )
-from ems.server.tiers import Loop, Report
+from ems.server.tiers import Loop, Report, TierEvents
 
 __all__ = ["DiskEngine", "start"]
 
 logger = logging.getLogger(__name__)
 
+#: the disk's name in KV events (``ems.server.kv_events.MEDIUMS``)
+MEDIUM = "ems-disk"
 _READ = {ReadResult.HIT: ReadOutcome.HIT, ReadResult.TIMEOUT: ReadOutcome.TIMEOUT,
          ReadResult.DAMAGED: ReadOutcome.DAMAGED, ReadResult.IO_ERROR: ReadOutcome.IO_ERROR}
 _WARN = {WriteResult.QUOTA: "a tenant's disk share is full and nothing of it can be "
@@ -94,13 +101,16 @@ class DiskEngine(Engine):
     name: ClassVar[str] = "disk"
     local: ClassVar[bool] = True
 
-    def __init__(self, config: DiskConfig, pool_capacity_bytes: int) -> None:
+    def __init__(self, config: DiskConfig, pool_capacity_bytes: int,
+                 events: Optional[TierEvents] = None) -> None:
         self.config = config
+        self.events = events
         self.store = DiskStore(DiskSettings(
             path=config.path, capacity_bytes=config.capacity_bytes,
             checkpoint_s=config.checkpoint_s,
             write_budget_bytes_per_day=config.write_budget_bytes_per_day,
-            io_delay_s=config.io_delay_ms / 1000))
+            io_delay_s=config.io_delay_ms / 1000),
+            on_removed=None if events is None else self._removed)
         self.store.open()  # recovery runs in the background from here
         self.admission = SecondHit() if config.admission == "second-hit" else AdmitAll()
         self._pool_capacity = max(1, pool_capacity_bytes)
@@ -142,9 +152,17 @@ class DiskEngine(Engine):
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
         result = self.store.write(tenant.name, source.key, source.memory)
-        if result is WriteResult.WRITTEN or result is WriteResult.EXISTS:
+        if result is WriteResult.WRITTEN:
+            if self.events is not None:
+                self.events.tier_stored(tenant.name, [source.key], MEDIUM)
+            return WRITTEN
+        if result is WriteResult.EXISTS:
             return WRITTEN
         return Written(False, result.value, _WARN.get(result))
+
+    def _removed(self, tenant: str, keys: Sequence[str]) -> None:
+        assert self.events is not None
+        self.events.tier_removed(tenant, keys, MEDIUM)
 
     def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Report:
         out = books.lookups_row()
@@ -175,14 +193,15 @@ class DiskEngine(Engine):
         self.store.close(clean=True)
 
 
-def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]]
-          ) -> TierDriver:
-    """The disk tier of a daemon's ``config`` (``disk`` set); RuntimeError when its
-    directory is taken by another daemon."""
+def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]],
+          events: Optional[TierEvents] = None) -> TierDriver:
+    """The disk tier of a daemon's ``config`` (``disk`` set), telling ``events`` (KV
+    events) what it stores and removes; RuntimeError when its directory is taken by
+    another daemon."""
     disk = config.disk
     assert disk is not None
     try:
-        engine = DiskEngine(disk, config.capacity_bytes)
+        engine = DiskEngine(disk, config.capacity_bytes, events)
     except DiskStoreLocked as exc:
         raise RuntimeError(f"disk tier: {exc}") from exc
     tier = TierDriver(engine, loop, DriverSettings(

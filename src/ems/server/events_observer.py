@@ -8,7 +8,14 @@ observer's hooks (:meth:`Observer.stored`, :meth:`Observer.evicted`):
 * a save's NEW keys that came with the engine's block hashes (``hashes`` of Reserve /
   Put) -> ``BlockStored`` (medium ``ems-shm``: CPU, LOCAL);
 * an eviction from shared memory -> ``BlockRemoved`` of the hashes the publisher
-  remembered for those keys.
+  remembered for those keys;
+* the disk tier's record of such a key written -> ``BlockStored`` (medium ``ems-disk``:
+  STORAGE, LOCAL), its removal from the disk (region evicted, record damaged) ->
+  ``BlockRemoved`` (``ems-disk``): the tiers beyond shared memory report to
+  :meth:`EventsObserver.tier_stored` / :meth:`EventsObserver.tier_removed`
+  (``ems.server.tiers.TierEvents``). The disk tier writes from shared memory, so a
+  key's hash is the one its save brought; the publisher's one ``key -> hash`` map
+  serves every tier and forgets a key when no tier holds it any more.
 
 Keys saved without hashes (V0 saves, engines that send none) publish nothing: a
 router matches blocks by the engine's hashes, which ems cannot make up.
@@ -21,14 +28,14 @@ from typing import ClassVar, Optional, Sequence
 
 from ems.server.kv_events import KvEventPublisher
 from ems.server.tenants import Tenant
-from ems.server.tiers import Observer, Report
+from ems.server.tiers import Observer, Report, TierEvents
 
 __all__ = ["EventsObserver"]
 
 SHM = "ems-shm"
 
 
-class EventsObserver(Observer):
+class EventsObserver(Observer, TierEvents):
     """See the module docstring (hooks on the event loop; the publisher never blocks:
     it queues for its own thread)."""
 
@@ -48,6 +55,12 @@ class EventsObserver(Observer):
 
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
         self.publisher.evicted(tenant.name, [key], SHM)
+
+    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str) -> None:
+        self.publisher.copied(tenant, keys, tier)
+
+    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str) -> None:
+        self.publisher.evicted(tenant, keys, tier)
 
     def report(self) -> Optional[Report]:
         return dataclasses.asdict(self.publisher.statistics())

@@ -77,9 +77,11 @@ class Handlers:
         self.limits = limits
         self.tiers = list(tiers)
         self._local_tiers = [t for t in self.tiers if t.local]
-        #: told of new objects / evictions: the tiers that want it, then the observers
-        self._stored_tiers: list[Tier | Observer] = [t for t in self.tiers if t.wants_stored]
-        self._stored_tiers += observers
+        #: told of new objects: the observers first (KV events must know a key's hash
+        #: before a tier's worker may have written it out and reports it), then the
+        #: tiers that want it; of evictions: the tiers, then the observers
+        self._stored_tiers: list[Tier | Observer] = list(observers)
+        self._stored_tiers += [t for t in self.tiers if t.wants_stored]
         self._evicted_tiers: list[Tier | Observer] = [t for t in self.tiers if t.wants_evicted]
         self._evicted_tiers += observers
         self._through: Optional[Tier] = next(

@@ -45,8 +45,10 @@ The queue between the daemon's thread and the publisher's is bounded: when full,
 oldest batch is dropped and counted (``statistics().dropped_batches``), never the
 daemon blocked. ``BlockRemoved`` needs the hashes of evicted keys, which the daemon
 knows only by key: :meth:`KvEventPublisher.stored` remembers ``key -> hash`` per
-tenant (at most ``max_tracked_keys``, the oldest forgotten first and counted), and
-:meth:`KvEventPublisher.evicted` turns keys back into hashes.
+tenant (at most ``max_tracked_keys``, the oldest forgotten first and counted), with
+the tiers that hold the key (:meth:`KvEventPublisher.copied`: the disk wrote it), and
+:meth:`KvEventPublisher.evicted` turns keys back into hashes, forgetting a key when
+the last tier holding it removed it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ MEDIUMS: dict[str, tuple[str, str, str]] = {
     "ems-disk": ("STORAGE", "LOCAL", "ems-disk"),
     "ems-cluster": ("CPU", "REMOTE", "ems-cluster"),
 }
+#: ems tier -> its bit in a tracked key's set of tiers
+_BIT: dict[str, int] = {name: 1 << i for i, name in enumerate(MEDIUMS)}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK = (1 << 64) - 1
 
@@ -135,7 +139,9 @@ class KvEventPublisher:
         self._max_queue = max_queue_batches
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(
             maxlen=buffer_batches)
-        # (tenant, key) -> hash, oldest first
+        # (tenant, key) -> (tiers holding it << 64) | hash, oldest first: one map for
+        # every tier (a key's hash is the same wherever it lives), an entry forgotten
+        # when the last tier that held the key removed it
         self._tracked: dict[tuple[str, str], int] = {}
         self._max_tracked = max_tracked_keys
         self._seq = 0
@@ -187,7 +193,7 @@ class KvEventPublisher:
                    for space, group in spaces.items()]
         with self._lock:
             if keys is not None:
-                self._track(tenant, keys, hs)
+                self._track(tenant, keys, hs, _BIT[medium])
             for topic, event in batches:
                 self._put_locked(topic, event)
 
@@ -203,17 +209,41 @@ class KvEventPublisher:
         with self._lock:
             self._put_locked(self._topic(tenant, space), event)
 
-    def evicted(self, tenant: str, keys: Sequence[str], medium: str = "ems-shm") -> None:
-        """Keys that left tier ``medium``: ``BlockRemoved`` of the hashes
-        :meth:`stored` remembered for them (keys it does not know are counted)."""
-        by_space: dict[str, list[int]] = {}
+    def copied(self, tenant: str, keys: Sequence[str], medium: str) -> None:
+        """Keys now also held by tier ``medium`` (the disk wrote them from shared
+        memory): ``BlockStored`` there of the hashes :meth:`stored` remembered for
+        them; keys it does not know (saved without hashes, or forgotten) publish
+        nothing."""
+        known_keys: list[str] = []
+        known: list[int] = []
         with self._lock:
             for key in keys:
-                h = self._tracked.pop((tenant, key), None)
-                if h is None:
+                packed = self._tracked.get((tenant, key))
+                if packed is not None:
+                    known_keys.append(key)
+                    known.append(packed & _MASK)
+        if known:
+            self.stored(tenant, known, medium, keys=known_keys)
+
+    def evicted(self, tenant: str, keys: Sequence[str], medium: str = "ems-shm") -> None:
+        """Keys that left tier ``medium``: ``BlockRemoved`` of the hashes
+        :meth:`stored` remembered for them in that tier (keys it does not know there
+        are counted); a key is forgotten once no tier holds it."""
+        bit = _BIT[self._medium(medium)[2]]
+        by_space: dict[str, list[int]] = {}
+        tracked = self._tracked
+        with self._lock:
+            for key in keys:
+                packed = tracked.get((tenant, key))
+                if packed is None or not (packed >> 64) & bit:
                     self._counts["untracked_removals"] += 1
                     continue
-                by_space.setdefault(space_of(key), []).append(h)
+                rest = (packed >> 64) & ~bit
+                if rest:
+                    tracked[(tenant, key)] = (rest << 64) | (packed & _MASK)
+                else:
+                    del tracked[(tenant, key)]
+                by_space.setdefault(space_of(key), []).append(packed & _MASK)
         for space, hs in by_space.items():
             self.removed(tenant, hs, medium, space=space)
 
@@ -258,9 +288,12 @@ class KvEventPublisher:
     def _topic(self, tenant: str, space: str) -> bytes:
         return f"kv@{self.host}@{tenant}@{space}".encode()
 
-    def _track(self, tenant: str, keys: Sequence[str], hashes: list[int]) -> None:
+    def _track(self, tenant: str, keys: Sequence[str], hashes: list[int], bit: int) -> None:
         tracked = self._tracked
-        tracked.update(zip([(tenant, key) for key in keys], hashes))
+        for key, h in zip(keys, hashes):
+            was = tracked.get((tenant, key))
+            tiers = bit if was is None else (was >> 64) | bit
+            tracked[(tenant, key)] = (tiers << 64) | h
         over = len(tracked) - self._max_tracked
         if over > 0:  # the oldest first (a dict keeps insertion order)
             for old in list(itertools.islice(tracked, over)):

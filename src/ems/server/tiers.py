@@ -50,7 +50,7 @@ from typing import Callable, ClassVar, Optional, Protocol, Sequence
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "Observer", "Report", "Tier", "TierCounters"]
+__all__ = ["Extent", "Loop", "Observer", "Report", "Tier", "TierCounters", "TierEvents"]
 
 #: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
 Report = dict[str, object]
@@ -156,6 +156,17 @@ class Observer:
     def report(self) -> Optional[Report]:
         """Its part of the daemon's report (``report()[name]``)."""
         return None
+
+
+class TierEvents(Protocol):
+    """What a tier beyond shared memory tells KV events (``ems.server.events_observer``)
+    of its own stores and removals, by tenant name and key, from any thread."""
+
+    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str) -> None:
+        """``keys`` are now held by ``tier`` (an ``ems.server.kv_events.MEDIUMS`` name)."""
+
+    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str) -> None:
+        """``keys`` left ``tier`` (evicted, dropped, deleted)."""
 
 
 class TierCounters:
