@@ -145,7 +145,9 @@ CHILD = textwrap.dedent("""
     import mmap, random, sys, time
     from ems.disk import DiskSettings, DiskStore, WriteResult
     path, start = sys.argv[1], int(sys.argv[2])
-    store = DiskStore(DiskSettings(path, 512 << 20, region_bytes=1 << 20, checkpoint_s=0.05))
+    # 4 GiB: no region is evicted within the test (a quiet host writes ~1 GiB in 6 rounds;
+    # 512 MiB filled by round 4 and evicted checkpointed keys, which the test counts as lost)
+    store = DiskStore(DiskSettings(path, 4 << 30, region_bytes=1 << 20, checkpoint_s=0.05))
     store.open()
     store.wait_recovered(60)
     buf = mmap.mmap(-1, 64 << 10)
@@ -194,7 +196,7 @@ def test_kill_9_loop_never_serves_wrong_bytes(tmp_path):
         assert done, "the child wrote nothing before it was killed"
         checkpointed = max(done)
         must |= set(range(start, checkpointed))
-        store = opened(tmp_path, capacity_bytes=512 * MiB, region_bytes=MiB, checkpoint_s=0)
+        store = opened(tmp_path, capacity_bytes=4096 * MiB, region_bytes=MiB, checkpoint_s=0)
         try:
             hits = 0
             for i in range(checkpointed + 200):
