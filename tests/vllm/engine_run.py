@@ -141,9 +141,9 @@ class VllmEvents:
         session = get_kv_transfer_group()._session
         original = session.save
 
-        def save(hashes, chunk_descs, event_hashes=None):
+        def save(hashes, chunk_descs, event_hashes=None, **options):
             self.ems.extend(event_hashes or ())
-            return original(hashes, chunk_descs, event_hashes)
+            return original(hashes, chunk_descs, event_hashes, **options)
         session.save = save
 
     def close(self) -> dict:
