@@ -95,21 +95,21 @@ try:  # the hybrid-pool API: its own module in newer SGLang, hicache_storage bef
     )
 except ImportError:
     try:
-        from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[no-redef]
+        from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[no-redef,unused-ignore]
             PoolHitPolicy,
             PoolTransfer,
             PoolTransferResult,
         )
     except ImportError:
-        PoolHitPolicy = PoolTransfer = PoolTransferResult = None  # type: ignore
+        PoolHitPolicy = PoolTransfer = PoolTransferResult = None  # type: ignore[misc,assignment,unused-ignore]
 
 try:  # what SGLang's metrics collector takes from get_stats()
     from sglang.srt.observability.metrics_collector import StorageMetrics
 except ImportError:
     try:
-        from sglang.srt.metrics.collector import StorageMetrics  # type: ignore[no-redef]
+        from sglang.srt.metrics.collector import StorageMetrics  # type: ignore[no-redef,unused-ignore]
     except ImportError:
-        StorageMetrics = None  # type: ignore
+        StorageMetrics = None  # type: ignore[misc,assignment,unused-ignore]
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -124,7 +124,7 @@ _HYBRID_MISSING = ("this SGLang has no hybrid-pool storage API (PoolTransfer in 
 
 if StorageMetrics is not None:
     @dataclasses.dataclass
-    class EmsStorageMetrics(StorageMetrics):  # type: ignore[misc,valid-type]
+    class EmsStorageMetrics(StorageMetrics):  # type: ignore[misc,valid-type,unused-ignore]
         """SGLang's per-interval ``StorageMetrics`` (pages and GB/s per batch, which it
         turns into histograms) plus this backend's totals."""
 

@@ -343,7 +343,7 @@ def _wire_builder(code: int, name: str, fields: tuple[Any, ...]) -> Callable[...
     exec(src, env)  # noqa: S102 - built from our own field names only
     builder = env["wire"]
     builder.__qualname__ = f"{name}.wire"
-    return builder  # type: ignore[no-any-return]
+    return builder  # type: ignore[no-any-return,unused-ignore]
 
 
 _new = object.__new__
@@ -395,7 +395,7 @@ def _validator(cls: Any, fields: tuple[Any, ...]) -> Callable[[list[Any]], list[
            f"        return values\n"
            f"    return _slow(values)\n")
     exec(src, env)  # noqa: S102 - built from our own field names and checks only
-    return env["validate"]  # type: ignore[no-any-return]
+    return env["validate"]  # type: ignore[no-any-return,unused-ignore]
 
 
 def from_wire(obj: Any) -> Message:

@@ -48,7 +48,7 @@ its circuit breaker then skips it for ``breaker_open_s`` (``ems.cluster.topology
 Write-behind is bounded: at most ``write_behind_bytes`` (default 256 MiB) in flight
 (pinned and being sent); a save past that bound is stored locally only and counted
 (``write_behind_dropped``). The time after which another host sees a write-behind is
-one batch to the home node (measured in ``tests/cluster``; see the README's cluster section).
+one batch to the home node (measured in ``tests/cluster``; see docs/tiers/cluster.md).
 
 A fetch reserves local space for every key it asks for, before it knows which the
 cluster has (that keeps it at one round trip): on a full pool that may evict local
