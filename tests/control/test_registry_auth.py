@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 from ems.protocol import auth_mac
-from ems.server.config import TenantSpec
-from ems.server.tenants import TenantRegistry
+from ems.server.tenants import TenantRegistry, TenantSpec
 
 K1, K2, K3 = "1" * 40, "2" * 40, "3" * 40
 

@@ -12,6 +12,7 @@ import pytest
 from ems.config import EmsConfig, validate_access_id, validate_access_key, validate_ems_config
 from ems.errors import EmsErrorCode, EmsException
 from ems.server import config as server_config
+from ems.server import tenants as server_tenants
 
 KEY = "A" * 32
 GOOD = ["team-a", "org/Model:v2", "cc_kvstore@_@ds_default_ns_001", "Équipe A", "x" * 512]
@@ -25,7 +26,7 @@ def test_a_valid_access_id_passes_everywhere(ident, tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text(f'[tenants]\n"{ident}" = "{KEY}"\n')
     os.chmod(path, 0o600)
-    assert server_config.load_tenants(str(path)) == {ident: KEY}
+    assert server_tenants.load_tenants(str(path)) == {ident: KEY}
 
 
 @pytest.mark.parametrize("ident", BAD, ids=repr)
@@ -43,7 +44,7 @@ def test_an_invalid_access_id_is_refused_by_the_sdk_and_the_daemon(ident, tmp_pa
         path.write_text(f"[tenants]\n{_toml_str(ident)} = \"{KEY}\"\n")
         os.chmod(path, 0o600)
         with pytest.raises(EmsException) as daemon:
-            server_config.load_tenants(str(path))
+            server_tenants.load_tenants(str(path))
         assert one.value.message() in daemon.value.message()
 
 
@@ -61,7 +62,7 @@ def test_a_tenants_file_key_follows_the_sdk_rule(key, tmp_path):
     path.write_text(f"[tenants]\nteam-a = {value}\n")
     os.chmod(path, 0o600)
     with pytest.raises(EmsException, match="team-a"):
-        server_config.load_tenants(str(path))
+        server_tenants.load_tenants(str(path))
 
 
 def test_the_three_places_call_the_one_rule_and_build_no_config():

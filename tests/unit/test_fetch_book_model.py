@@ -13,9 +13,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ems.pool.core import GrantStatus
-from ems.server.config import TenantSpec
 from ems.server.fetches import Fetch, FetchBook
-from ems.server.tenants import Tenant
+from ems.server.tenants import Tenant, TenantSpec
 
 KEYS = [f"k{i}" for i in range(8)]
 SIZE = 1000

@@ -61,9 +61,9 @@ def test_a_daemon_checks_every_pool_at_stop_and_the_teardown_reads_it(tmp_path, 
     ERROR line per broken pool; ``check_stopped`` fails a fixture on that line."""
     import logging
 
-    from ems.server.config import ServerConfig, TenantSpec
+    from ems.server.config import ServerConfig
     from ems.server.daemon import ALLOCATOR_BROKEN, Daemon
-    from ems.server.tenants import TenantRegistry
+    from ems.server.tenants import TenantRegistry, TenantSpec
     from ems.testing.leaks import check_stopped
 
     registry = TenantRegistry([TenantSpec(None, None, 1 << 20)], 60.0)

@@ -15,9 +15,8 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import pytest
 
-from ems.server.config import TenantSpec
 from ems.server.memory import SegmentMaps
-from ems.server.tenants import Tenant
+from ems.server.tenants import Tenant, TenantSpec
 from ems.server.tier_driver import (
     WRITTEN,
     DriverSettings,

@@ -13,11 +13,11 @@ from typing import Callable, ClassVar, Optional, Sequence
 import pytest
 
 from ems.protocol import messages as m
-from ems.server.config import Limits, TenantSpec
+from ems.server.config import Limits
 from ems.server.handlers import Handlers
 from ems.server.memory import SegmentMaps
 from ems.server.session import Session
-from ems.server.tenants import Tenant
+from ems.server.tenants import Tenant, TenantSpec
 from ems.server.tiers import Extent, Tier
 
 

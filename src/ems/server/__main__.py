@@ -28,80 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                     "[--json]` prints the counters of a running daemon.",
         epilog="Settings: defaults < config file < environment < flags; see "
                "`python -c 'import ems.server.config as c; help(c)'`.")
-    p.add_argument("--config", help="TOML config file (env EMS_SERVER_CONFIG)")
-    p.add_argument("--socket-dir", dest="socket_dir",
-                   help="directory of ems.sock (default /dev/shm/ems; env EMS_SOCKET_DIR)")
-    p.add_argument("--capacity", help="memory of all pools, e.g. 8G (default min(4G, RAM/4); "
-                                      "env EMS_SERVER_CAPACITY)")
-    p.add_argument("--tenants-file", dest="tenants_file",
-                   help="TOML file of access_id = \"access_key\" (mode 0600; "
-                        "env EMS_TENANTS_FILE)")
-    anon = p.add_mutually_exclusive_group()
-    anon.add_argument("--anonymous", dest="anonymous", action="store_const", const=True,
-                      help="allow clients without credentials (default; env EMS_ANONYMOUS)")
-    anon.add_argument("--no-anonymous", dest="anonymous", action="store_const", const=False,
-                      help="refuse clients without credentials")
-    p.add_argument("--anonymous-quota", dest="anonymous_quota",
-                   help="pool size of the anonymous namespace (default: an equal share)")
-    p.add_argument("--quota", action="append", metavar="ID=SIZE",
-                   help="pool size of tenant ID (repeatable; default: an equal share)")
-    p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float,
-                   help="free a writer's reservation after this long (default 60; "
-                        "env EMS_RESERVATION_TTL_S)")
-    p.add_argument("--socket-mode", dest="socket_mode",
-                   help="octal permissions of the socket file (default 0660)")
-    p.add_argument("--spin-us", dest="spin_us", type=int,
-                   help="busy-poll this long after a request before sleeping, in "
-                        "microseconds (default 200; 0: never; env EMS_SERVER_SPIN_US)")
-    p.add_argument("--control", help="URL of ems-control: tenants, keys and quotas come "
-                                     "from there, live (env EMS_CONTROL)")
-    p.add_argument("--control-token-file", dest="control_token_file",
-                   help="file of the daemon token of ems-control (env EMS_CONTROL_TOKEN_FILE)")
-    p.add_argument("--control-poll-s", dest="control_poll_s", type=float,
-                   help="fetch the registry this often (default 1.0 s)")
-    p.add_argument("--control-cache", dest="control_cache",
-                   help="keep the last registry in this file (0600) for a restart while the "
-                        "control plane is down (default: memory only)")
-    p.add_argument("--host-name", dest="host_name",
-                   help="this daemon's name on the control plane (default hostname:socket_dir)")
-    p.add_argument("--metrics-addr", dest="metrics_addr",
-                   help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9464 "
-                        "(default off; env EMS_METRICS_ADDR)")
-    p.add_argument("--kv-events", dest="kv_events",
-                   help="publish KV events (vLLM's format) on a ZMQ PUB socket bound at "
-                        "tcp://HOST:PORT (default off; env EMS_KV_EVENTS; needs pyzmq)")
-    p.add_argument("--kv-events-replay", dest="kv_events_replay",
-                   help="their replay endpoint, tcp://HOST:PORT (env EMS_KV_EVENTS_REPLAY)")
-    p.add_argument("--cluster", dest="cluster",
-                   help="join the shared tier: valkey://HOST:PORT[,HOST:PORT...] "
-                        "(valkeys://: TLS; env EMS_CLUSTER; password: EMS_CLUSTER_PASSWORD)")
-    p.add_argument("--cluster-ca-file", dest="cluster_ca_file",
-                   help="CA bundle for a valkeys:// cluster (env EMS_CLUSTER_CA_FILE)")
-    p.add_argument("--cluster-cert-file", dest="cluster_cert_file",
-                   help="this daemon's TLS certificate (PEM) for a cluster that verifies "
-                        "its clients (env EMS_CLUSTER_CERT_FILE)")
-    p.add_argument("--cluster-key-file", dest="cluster_key_file",
-                   help="its private key, unless in the certificate file "
-                        "(env EMS_CLUSTER_KEY_FILE)")
-    p.add_argument("--cluster-write-behind", dest="cluster_write_behind",
-                   help="bytes of write-behind in flight at most, e.g. 256M (default)")
-    p.add_argument("--disk", dest="disk", metavar="DIR",
-                   help="keep objects also on disk under DIR (the disk tier: the pool "
-                        "outgrows memory and survives restarts; env EMS_DISK)")
-    p.add_argument("--disk-capacity", dest="disk_capacity", metavar="SIZE",
-                   help="bytes the disk tier may use, e.g. 500G (default 64G; env "
-                        "EMS_DISK_CAPACITY)")
-    p.add_argument("--disk-checkpoint-s", dest="disk_checkpoint_s", metavar="S",
-                   help="checkpoint the disk index this often (default 10; env "
-                        "EMS_DISK_CHECKPOINT_S)")
-    p.add_argument("--disk-admission", dest="disk_admission", choices=("all", "second-hit"),
-                   help="which objects go to disk: every one saved (all, default) or "
-                        "those saved again or loaded (second-hit)")
-    p.add_argument("--limit", action="append", metavar="NAME=VALUE",
-                   help="a bound on what one client may hold or send (repeatable), e.g. "
-                        "max_keys_per_request=4096; see ems.server.config.Limits")
-    p.add_argument("--log-level", dest="log_level",
-                   help="DEBUG, INFO, WARNING or ERROR (default INFO; env EMS_LOG_LEVEL)")
+    from ems.server.config import add_server_flags  # the declarations make the flags
+    add_server_flags(p)
     return p
 
 
@@ -138,15 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
 
     from ems.errors import EmsException
-    from ems.server.config import (
-        ANONYMOUS,
-        ServerConfig,
-        configure_logging,
-        load_tenants,
-        resolve_quotas,
-    )
+    from ems.server.config import ANONYMOUS, ServerConfig, configure_logging
     from ems.server.daemon import Daemon, DaemonError
-    from ems.server.tenants import TenantRegistry
+    from ems.server.tenants import TenantRegistry, load_tenants, resolve_quotas
 
     try:
         config = ServerConfig.load(vars(args), os.environ)

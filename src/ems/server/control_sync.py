@@ -55,9 +55,9 @@ from typing import Any, Optional
 
 from ems.config import validate_access_id
 from ems.errors import EmsException, invalid
-from ems.server.config import ServerConfig, TenantSpec
+from ems.server.config import ServerConfig
 from ems.server.snapshots import LoopSnapshots
-from ems.server.tenants import Tenant
+from ems.server.tenants import Tenant, TenantSpec
 
 __all__ = ["ControlSync", "Plan", "static_specs"]
 

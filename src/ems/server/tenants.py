@@ -1,4 +1,9 @@
-"""Tenants: one pool and one memfd per namespace, and the challenge-response check.
+"""Tenants: who they are (the tenants file, each namespace's quota), one pool and one
+memfd per namespace, and the challenge-response check.
+
+:func:`load_tenants` reads the tenants file (secrets, mode 0600); :func:`resolve_quotas`
+gives every namespace its pool size: its quota when one is configured, else an equal
+share of what the explicit quotas leave of ``capacity``.
 
 Each namespace (a tenant from the tenants file, or the anonymous one) owns a
 :class:`~ems.pool.core.Pool` sized by its quota and a memfd of the same size that
@@ -11,22 +16,103 @@ copies fault). The daemon itself never maps it: the pool core only does bookkeep
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hmac
 import logging
 import os
 import secrets
-from typing import Iterable, Optional
+import stat
+from typing import Iterable, Mapping, Optional
 
+from ems.config import validate_access_key
+from ems.errors import EmsException, invalid
 from ems.pool.core import Pool
 from ems.protocol import auth_mac
-from ems.server.config import TenantSpec
+from ems.server.config import ANONYMOUS, ServerConfig, check_id, read_toml
 
-__all__ = ["Tenant", "TenantRegistry"]
+__all__ = ["Tenant", "TenantRegistry", "TenantSpec", "load_tenants", "resolve_quotas"]
 
 logger = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantSpec:
+    """One namespace: ``access_id`` None is the anonymous one."""
+
+    access_id: Optional[str]
+    access_key: Optional[str] = dataclasses.field(repr=False)
+    quota_bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.access_id if self.access_id is not None else ANONYMOUS
+
+
+def load_tenants(path: str) -> dict[str, str]:
+    """Read a tenants file: ``access_id -> access_key``.
+
+    The file is TOML with one table::
+
+        [tenants]
+        team-a = "k3Y...32 to 256 chars of 0-9 A-Z a-z + / =..."
+
+    It must be a regular file that neither group nor others can read or write
+    (``chmod 600``); otherwise the daemon refuses to start. Ids and keys follow the
+    rules of the SDK (``validate_access_id``, ``validate_access_key``), so a client can
+    present them.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise invalid(f"tenants file {path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise invalid(f"tenants file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise invalid(f"tenants file {path} has mode {stat.S_IMODE(st.st_mode):04o}; it "
+                      f"holds secrets and must be 0600 (chmod 600 {path})")
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"tenants"})
+    if unknown or not isinstance(data.get("tenants", {}), dict):
+        raise invalid(f"tenants file {path}: expected one [tenants] table of "
+                      f"access_id = \"access_key\" (unknown: {', '.join(unknown) or '-'})")
+    tenants: dict[str, str] = {}
+    for ident, key in data.get("tenants", {}).items():
+        check_id(ident, f"tenants file {path}")
+        try:
+            validate_access_key(key)
+        except EmsException as exc:
+            raise invalid(f"tenants file {path}: tenant {ident!r}: {exc.message()}") from None
+        tenants[ident] = key
+    return tenants
+
+
+def resolve_quotas(config: ServerConfig, tenants: Mapping[str, str]) -> list[TenantSpec]:
+    """Give every namespace its pool size (see the module docstring)."""
+    unknown = sorted(set(config.quotas_bytes) - set(tenants))
+    if unknown:
+        raise invalid(f"quotas name access_id(s) not in the tenants file: {', '.join(unknown)}")
+    explicit: dict[Optional[str], int] = {k: v for k, v in config.quotas_bytes.items()}
+    members: list[Optional[str]] = [t for t in sorted(tenants)]
+    if config.anonymous:
+        members.append(None)
+        if config.anonymous_quota_bytes is not None:
+            explicit[None] = config.anonymous_quota_bytes
+    if not members:
+        raise invalid("no tenants file and anonymous access disabled: nobody could connect")
+    fixed = sum(explicit.values())
+    if fixed > config.capacity_bytes:
+        raise invalid(f"quotas add up to {fixed} bytes, more than capacity "
+                      f"{config.capacity_bytes}")
+    shared = [m for m in members if m not in explicit]
+    share = (config.capacity_bytes - fixed) // len(shared) if shared else 0
+    if shared and share < (1 << 20):
+        raise invalid(f"capacity leaves {share} bytes each to the {len(shared)} namespace(s) "
+                      f"without a quota; raise capacity or set quotas")
+    return [TenantSpec(m, None if m is None else tenants[m], explicit.get(m, share))
+            for m in members]
 
 
 def _memfd_name(tenant: str) -> str:
