@@ -26,25 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                     "ems-server over REST (OpenAPI at /docs), and a status page at /.",
         epilog="Settings: defaults < environment < flags; see "
                "`python -c 'import ems.control.config as c; help(c)'`.")
-    p.add_argument("--state-dir", dest="state_dir",
-                   help="directory of the database, key and token files "
-                        "(default ~/.local/state/ems-control)")
-    p.add_argument("--db", dest="db_path", help="SQLite database (default STATE_DIR/control.db)")
-    p.add_argument("--master-key-file", dest="master_key_file",
-                   help="the key sealing access keys at rest (created 0600 when missing)")
-    p.add_argument("--admin-token-file", dest="admin_token_file",
-                   help="bearer token of the admin API (created 0600 when missing)")
-    p.add_argument("--daemon-token-file", dest="daemon_token_file",
-                   help="bearer token of the daemons (created 0600 when missing)")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", help="port (default 8470; 0: any free one, see --port-file)")
-    p.add_argument("--port-file", dest="port_file",
-                   help="write the port listened on to this file")
-    p.add_argument("--default-quota", dest="default_quota_bytes",
-                   help="pool size of tenants created without one (default 256M)")
-    p.add_argument("--max-quota", dest="max_quota_bytes",
-                   help="the largest quota accepted (default 1T)")
-    p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+    from ems.control.config import ControlConfig  # the declarations make the flags
+    ControlConfig.add_flags(p)
     return p
 
 

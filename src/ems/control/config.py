@@ -1,20 +1,7 @@
 """Settings of ``ems-control``: defaults < environment < flags.
 
-=====================  ==========================  ===============================
-setting                flag                        environment
-=====================  ==========================  ===============================
-state directory        ``--state-dir``             ``EMS_CONTROL_STATE_DIR``
-database               ``--db``                    ``EMS_CONTROL_DB``
-master key file        ``--master-key-file``       ``EMS_CONTROL_MASTER_KEY_FILE``
-admin token file       ``--admin-token-file``      ``EMS_CONTROL_ADMIN_TOKEN_FILE``
-daemon token file      ``--daemon-token-file``     ``EMS_CONTROL_DAEMON_TOKEN_FILE``
-listen address         ``--host`` / ``--port``     ``EMS_CONTROL_HOST`` / ``_PORT``
-default quota          ``--default-quota``         ``EMS_CONTROL_DEFAULT_QUOTA``
-largest quota          ``--max-quota``             ``EMS_CONTROL_MAX_QUOTA``
-log level              ``--log-level``             ``EMS_LOG_LEVEL``
-admin token itself     -                           ``EMS_CONTROL_ADMIN_TOKEN``
-daemon token itself    -                           ``EMS_CONTROL_DAEMON_TOKEN``
-=====================  ==========================  ===============================
+Each setting is declared once below (``ems.settings``); the flags, the merge and the
+settings table of docs/control-plane.md are made from those declarations.
 
 The two tokens themselves can come from the environment instead of their files
 (never from flags, which every user sees in ``ps``); at least 16 characters each.
@@ -29,12 +16,13 @@ listening on another address.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-from ems.config import parse_bytes
 from ems.errors import invalid
+from ems.settings import Choice, Integer, Layer, Size, Text, add_flags, check_fields, load, setting
 
 __all__ = ["ControlConfig", "DEFAULT_PORT"]
 
@@ -48,42 +36,67 @@ def _default_state_dir() -> str:
     return os.path.join(base, "ems-control")
 
 
+def _token(raw: Any, where: str) -> str:
+    text = Text()(raw, where).strip()
+    if len(text) < 16:
+        raise invalid(f"{where} must have at least 16 characters, got {len(text)}")
+    return text
+
+
+def _file(doc: str, flag: str, env: str) -> Any:
+    return setting(doc, Text(), default=None, env=env, flag=flag, metavar="FILE",
+                   shown="STATE_DIR/" + doc.split()[0].rstrip(":"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ControlConfig:
     """The service's settings (see the module docstring)."""
 
-    state_dir: str = dataclasses.field(default_factory=_default_state_dir)
-    db_path: Optional[str] = None
-    master_key_file: Optional[str] = None
-    admin_token_file: Optional[str] = None
-    daemon_token_file: Optional[str] = None
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    #: pool size of a tenant created without one, bytes
-    default_quota_bytes: int = 256 << 20
-    #: the largest quota the service accepts, bytes
-    max_quota_bytes: int = 1 << 40
-    log_level: str = "INFO"
-    #: write the port listened on here once listening (tests use port 0)
-    port_file: Optional[str] = None
-    #: the tokens themselves (environment only); None: read from their files
-    admin_token: Optional[str] = dataclasses.field(default=None, repr=False)
-    daemon_token: Optional[str] = dataclasses.field(default=None, repr=False)
+    state_dir: str = setting(
+        "directory of the database, key and token files (made 0700)", Text(),
+        default_factory=_default_state_dir, shown="~/.local/state/ems-control",
+        env="EMS_CONTROL_STATE_DIR", flag="--state-dir", metavar="DIR")
+    db_path: Optional[str] = _file("control.db: the SQLite database", "--db",
+                                   "EMS_CONTROL_DB")
+    master_key_file: Optional[str] = _file(
+        "master.key: the key sealing access keys at rest (made 0600 when missing)",
+        "--master-key-file", "EMS_CONTROL_MASTER_KEY_FILE")
+    admin_token_file: Optional[str] = _file(
+        "admin.token: bearer token of the admin API (made 0600 when missing)",
+        "--admin-token-file", "EMS_CONTROL_ADMIN_TOKEN_FILE")
+    daemon_token_file: Optional[str] = _file(
+        "daemon.token: bearer token of the daemons (made 0600 when missing)",
+        "--daemon-token-file", "EMS_CONTROL_DAEMON_TOKEN_FILE")
+    host: str = setting("address to listen on (plain HTTP: put TLS in front elsewhere)",
+                        Text(), default="127.0.0.1", env="EMS_CONTROL_HOST", flag="--host")
+    port: int = setting("port to listen on (0: any free one, see --port-file)",
+                        Integer(0, 65535), default=DEFAULT_PORT, env="EMS_CONTROL_PORT",
+                        flag="--port")
+    default_quota_bytes: int = setting(
+        "pool size of a tenant created without one", Size(), default=256 << 20,
+        env="EMS_CONTROL_DEFAULT_QUOTA", flag="--default-quota", dest="default_quota_bytes",
+        metavar="SIZE")
+    max_quota_bytes: int = setting(
+        "the largest quota the service accepts", Size(), default=1 << 40,
+        env="EMS_CONTROL_MAX_QUOTA", flag="--max-quota", dest="max_quota_bytes",
+        metavar="SIZE")
+    log_level: str = setting("DEBUG, INFO, WARNING or ERROR", Choice(_LEVELS, fold="upper"),
+                             default="INFO", env="EMS_LOG_LEVEL", flag="--log-level")
+    port_file: Optional[str] = setting(
+        "write the port listened on to this file once listening (tests use port 0)",
+        Text(), default=None, flag="--port-file", metavar="FILE")
+    admin_token: Optional[str] = setting(
+        "the admin token itself, instead of its file (never a flag: ps shows those)",
+        _token, default=None, env="EMS_CONTROL_ADMIN_TOKEN", repr=False)
+    daemon_token: Optional[str] = setting(
+        "the daemon token itself, instead of its file", _token, default=None,
+        env="EMS_CONTROL_DAEMON_TOKEN", repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise invalid(f"port must be in 0..65535, got {self.port}")
+        check_fields(self)
         if not (1 << 20) <= self.default_quota_bytes <= self.max_quota_bytes:
             raise invalid(f"default_quota must be in 1 MiB..max_quota "
                           f"({self.max_quota_bytes}), got {self.default_quota_bytes}")
-        for name in ("admin_token", "daemon_token"):
-            value = getattr(self, name)
-            if value is not None and len(value.strip()) < 16:
-                raise invalid(f"{name} (EMS_CONTROL_{name.upper()}) must have at least 16 "
-                              f"characters, got {len(value.strip())}")
-        if self.log_level not in _LEVELS:
-            raise invalid(f"log_level must be one of {', '.join(_LEVELS)}, got "
-                          f"{self.log_level!r}")
 
     def file(self, name: str) -> str:
         """The path of one of the state files (its own setting, else in state_dir)."""
@@ -94,32 +107,10 @@ class ControlConfig:
 
     @classmethod
     def load(cls, flags: Mapping[str, Any], env: Mapping[str, str]) -> "ControlConfig":
-        kw: dict[str, Any] = {}
-        for key, var in (("state_dir", "EMS_CONTROL_STATE_DIR"), ("db_path", "EMS_CONTROL_DB"),
-                         ("master_key_file", "EMS_CONTROL_MASTER_KEY_FILE"),
-                         ("admin_token_file", "EMS_CONTROL_ADMIN_TOKEN_FILE"),
-                         ("daemon_token_file", "EMS_CONTROL_DAEMON_TOKEN_FILE"),
-                         ("host", "EMS_CONTROL_HOST"), ("port", "EMS_CONTROL_PORT"),
-                         ("default_quota_bytes", "EMS_CONTROL_DEFAULT_QUOTA"),
-                         ("max_quota_bytes", "EMS_CONTROL_MAX_QUOTA"),
-                         ("log_level", "EMS_LOG_LEVEL"), ("port_file", None),
-                         ("admin_token", "EMS_CONTROL_ADMIN_TOKEN"),
-                         ("daemon_token", "EMS_CONTROL_DAEMON_TOKEN")):
-            value = flags.get(key)
-            if key.endswith("_token") and var is not None:  # never from a flag
-                value = (env.get(var) or "").strip() or None
-            elif value is None and var is not None:
-                value = env.get(var) or None
-            if value is None:
-                continue
-            if key == "port":
-                try:
-                    value = int(value)
-                except ValueError:
-                    raise invalid(f"port must be an int, got {value!r}") from None
-            elif key.endswith("_bytes"):
-                value = parse_bytes(value, key[:-6])
-            elif key == "log_level":
-                value = str(value).upper()
-            kw[key] = value
-        return cls(**kw)
+        """Merge the environment and ``flags`` (argparse values; None: not given)."""
+        return load(cls, [Layer.environ(env), Layer.flags(flags)])
+
+    @staticmethod
+    def add_flags(parser: argparse.ArgumentParser) -> None:
+        """One flag per declared setting."""
+        add_flags(parser, ControlConfig)
