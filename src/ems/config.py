@@ -16,9 +16,21 @@ import dataclasses
 import enum
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from ems.errors import invalid
+from ems.settings import (
+    Boolean,
+    Choice,
+    Integer,
+    Layer,
+    Size,
+    Text,
+    check_fields,
+    load,
+    parse_bytes,
+    setting,
+)
 
 __all__ = [
     "CcConfig",
@@ -277,23 +289,6 @@ def validate_ems_config(config: Any) -> None:
 
 # --------------------------------------------------------------------------- pool
 
-_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str | int, field: str = "size") -> int:
-    """``"512M"``, ``"4g"``, ``"1048576"``, ``1048576`` -> bytes (binary units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-        if not m:
-            raise invalid(f"{field} must be a byte count like 4096, 512M or 4G, got {text!r}")
-        value = int(m.group(1)) * _SUFFIX[m.group(2)]
-    if value <= 0:
-        raise invalid(f"{field} must be > 0, got {text!r}")
-    return value
-
-
 def _default_capacity() -> int:
     try:
         phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -304,43 +299,52 @@ def _default_capacity() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSettings:
-    """Where the SDK finds its pool, from the environment.
+    """Where the SDK finds its pool, from the environment (each variable declared once
+    below; docs/sdk.md's table is made from these declarations).
 
-    * ``EMS_POOL``: ``embedded`` | ``server`` | ``auto`` (default ``auto``: the daemon
-      when its socket exists in ``EMS_SOCKET_DIR``, else the embedded pool).
-    * ``EMS_SOCKET_DIR``: directory of the daemon's socket (default ``/dev/shm/ems``).
-    * ``EMS_CAPACITY``: embedded pool size, bytes or ``512M``/``4G`` (default: the
-      smaller of 4 GiB and a quarter of physical memory; pages are only used when
-      written).
-    * ``EMS_CONNECT_TIMEOUT_MS``: bound on reaching the daemon in ``Ems.init``
-      (default 3000).
-    * ``EMS_WORKERS``: threads that run requests of one ContextCaching (default 4).
-    * ``EMS_SPIN_US``: how long a synchronous ``save``/``load`` polls for the daemon's
-      reply before it sleeps (default 200; 0: sleep at once). A reply comes in ~30-50
-      us; a thread that sleeps for it pays a wake-up and runs cold afterwards (on a
-      VM, ~10-20 us of a ~100 us call). Asynchronous requests never spin.
-    * ``EMS_CUDA_REGISTER``: ``1`` (default) | ``0``: where this process copies GPU
-      memory, register the pool memory it maps with CUDA (``cudaHostRegister``, in
-      the background, once per segment), so copies run at the link's speed instead of
-      through the driver's pageable bounce buffer. ``0`` never tries (hosts whose
-      memlock limit or container refuses it: the refusal is logged once, counted, and
-      copies stay pageable).
-    * ``EMS_CUDA_STAGING``: device staging memory per direction per GPU for V1 CUDA
-      caches, bytes or ``32M`` (default 32 MiB; grown to one block's object where a
-      block is larger). A request's blocks are gathered into it, a chunk at a time.
+    ``EMS_SPIN_US``: a reply comes in ~30-50 us; a thread that sleeps for it pays a
+    wake-up and runs cold afterwards (on a VM, ~10-20 us of a ~100 us call), so a
+    synchronous call polls first. Asynchronous requests never spin.
+
+    ``EMS_CUDA_REGISTER``: registered pool memory lets GPU copies run at the link's
+    speed instead of through the driver's pageable bounce buffer; ``0`` is for hosts
+    whose memlock limit or container refuses it (the refusal is logged once, counted,
+    and copies stay pageable).
     """
 
-    mode: str = "auto"
-    socket_dir: str = "/dev/shm/ems"
-    capacity_bytes: int = dataclasses.field(default_factory=_default_capacity)
-    connect_timeout_ms: int = 3000
-    workers: int = 4
-    spin_us: int = 200
-    cuda_register: bool = True
-    cuda_staging_bytes: int = 32 << 20
+    mode: str = setting(
+        "embedded, server or auto: the daemon when its socket exists in EMS_SOCKET_DIR, "
+        "else the embedded pool", Choice(("auto", "embedded", "server"), fold="lower"),
+        default="auto", key=None, env="EMS_POOL")
+    socket_dir: str = setting("directory of the daemon's socket", Text(),
+                              default="/dev/shm/ems", key=None, env="EMS_SOCKET_DIR")
+    capacity_bytes: int = setting(
+        "embedded pool size (pages are only used when written)", Size(),
+        default_factory=_default_capacity, shown="min(4G, RAM/4)", key=None,
+        env="EMS_CAPACITY")
+    connect_timeout_ms: int = setting("bound on reaching the daemon in Ems.init",
+                                      Integer(1), default=3000, key=None,
+                                      env="EMS_CONNECT_TIMEOUT_MS")
+    workers: int = setting("threads that run requests of one ContextCaching", Integer(1),
+                           default=4, key=None, env="EMS_WORKERS")
+    spin_us: int = setting(
+        "how long a synchronous save/load polls for the daemon's reply before it sleeps, "
+        "microseconds (0: sleep at once)", Integer(0, 1_000_000), default=200, key=None,
+        env="EMS_SPIN_US")
+    cuda_register: bool = setting(
+        "register the pool memory this process maps with CUDA (cudaHostRegister, in the "
+        "background, once per segment) where it copies GPU memory", Boolean(),
+        default=True, key=None, env="EMS_CUDA_REGISTER")
+    cuda_staging_bytes: int = setting(
+        "device staging memory per direction per GPU for V1 CUDA caches (grown to one "
+        "block's object where a block is larger)", Size(), default=32 << 20, key=None,
+        env="EMS_CUDA_STAGING")
 
     #: the daemon's socket file inside ``socket_dir``
-    SOCKET_NAME = "ems.sock"
+    SOCKET_NAME: ClassVar[str] = "ems.sock"
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def socket_path(self) -> str:
@@ -354,33 +358,4 @@ class PoolSettings:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "PoolSettings":
-        env = os.environ if env is None else env
-        mode = env.get("EMS_POOL", "auto").strip().lower() or "auto"
-        if mode not in ("auto", "embedded", "server"):
-            raise invalid(f"EMS_POOL must be embedded, server or auto, got {mode!r}")
-        kwargs: dict[str, Any] = {"mode": mode}
-        if env.get("EMS_SOCKET_DIR"):
-            kwargs["socket_dir"] = env["EMS_SOCKET_DIR"]
-        if env.get("EMS_CAPACITY"):
-            kwargs["capacity_bytes"] = parse_bytes(env["EMS_CAPACITY"], "EMS_CAPACITY")
-        register = env.get("EMS_CUDA_REGISTER", "").strip().lower()
-        if register:
-            if register not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise invalid(f"EMS_CUDA_REGISTER must be 1 or 0, got {env['EMS_CUDA_REGISTER']!r}")
-            kwargs["cuda_register"] = register in ("1", "true", "yes", "on")
-        if env.get("EMS_CUDA_STAGING"):
-            kwargs["cuda_staging_bytes"] = parse_bytes(env["EMS_CUDA_STAGING"],
-                                                       "EMS_CUDA_STAGING")
-        for var, field, low, high in (("EMS_CONNECT_TIMEOUT_MS", "connect_timeout_ms", 1, None),
-                                      ("EMS_WORKERS", "workers", 1, None),
-                                      ("EMS_SPIN_US", "spin_us", 0, 1_000_000)):
-            if env.get(var):
-                try:
-                    kwargs[field] = int(env[var])
-                except ValueError:
-                    raise invalid(f"{var} must be an int, got {env[var]!r}") from None
-                if high is None and kwargs[field] < low:
-                    raise invalid(f"{var} must be > 0, got {env[var]!r}")
-                if high is not None and not low <= kwargs[field] <= high:
-                    raise invalid(f"{var} must be {low}..{high}, got {env[var]!r}")
-        return cls(**kwargs)
+        return load(cls, [Layer.environ(os.environ if env is None else env)])
