@@ -504,32 +504,37 @@ def all_env_names(cls: type, prefix: str = "") -> set[str]:
     return out
 
 
-def _rows(cls: type, key_prefix: str, env_prefix: str, files: bool
+def _rows(cls: type, key_prefix: str, env_prefix: str, nested: bool
           ) -> Iterator[list[str]]:
     for f, meta in declared(cls):
         if meta.section is not None:
-            if meta.flag is not None:
-                yield [f"`[{key_prefix}{meta.key}]`", f"`{meta.flag} {meta.metavar}`", "-",
-                       "-", meta.doc]
-            yield from _rows(meta.section, f"{key_prefix}{meta.key}.", env_prefix, files)
+            if meta.flag is not None or not nested:
+                flag = f"`{meta.flag} {meta.metavar}`" if meta.flag else "-"
+                yield [f"`[{key_prefix}{meta.key}]`", flag, "-", "-", meta.doc]
+            if nested:
+                yield from _rows(meta.section, f"{key_prefix}{meta.key}.", env_prefix, True)
             continue
-        key = (f"`{key_prefix}{meta.key}.ID`" if meta.pairs else
+        key = (f"`[{key_prefix}{meta.key}]` ID" if meta.pairs else
                f"`{key_prefix}{meta.key}`") if meta.key else "-"
         flag = (f"`{meta.flag} {meta.metavar}`" if meta.pairs else
                 "`--[no-]" + meta.flag[2:] + "`" if isinstance(meta.parse, Boolean)
-                else f"`{meta.flag}`") if meta.flag else "-"
+                else f"`{meta.flag} {meta.metavar}`" if meta.metavar
+                else f"`{meta.flag} {'|'.join(meta.parse.options)}`"
+                if isinstance(meta.parse, Choice) else f"`{meta.flag}`") if meta.flag else "-"
         envs = ", ".join(f"`{e}`" for e in env_names(meta, env_prefix)) or "-"
-        row = [key, flag, envs, _shown(f, meta), meta.doc.replace("|", "\\|")]
-        yield row if files else row[1:]
+        shown = _shown(f, meta)
+        shown = shown if shown == "-" or meta.shown is not None else f"`{shown}`"
+        yield [key, flag.replace("|", "\\|"), envs, shown, meta.doc.replace("|", "\\|")]
 
 
-def markdown_table(cls: type, *, key_heading: Optional[str] = "file key",
-                   env_prefix: str = "", flags: bool = True) -> str:
-    """The settings of ``cls`` as a Markdown table (the docs' generated blocks)."""
-    heads = ([key_heading] if key_heading else []) + ["flag", "environment", "default",
-                                                       "what"]
-    rows = list(_rows(cls, "", env_prefix, key_heading is not None))
-    keep = [i for i in range(len(heads)) if flags or heads[i] != "flag"]
+def markdown_table(cls: type, *, key_heading: str = "file key", key_prefix: str = "",
+                   env_prefix: str = "", nested: bool = True) -> str:
+    """The settings of ``cls`` as a Markdown table (the docs' generated blocks): one
+    row per declared setting (``nested``: also those of its sections, with dotted
+    keys); a column that no setting of ``cls`` fills is left out."""
+    heads = [key_heading, "flag", "environment", "default", "what"]
+    rows = list(_rows(cls, key_prefix, env_prefix, nested))
+    keep = [i for i in range(len(heads)) if i >= 3 or any(r[i] != "-" for r in rows)]
     lines = ["| " + " | ".join(heads[i] for i in keep) + " |",
              "|" + "---|" * len(keep)]
     lines += ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]

@@ -8,6 +8,8 @@ instead of waiting for a reviewer):
   in-process); the daemon's client shares only ``protocol`` with the daemon;
 * ``cluster`` imports neither ``client`` nor ``server``;
 * ``disk`` (the disk store engine) imports nothing of ours but ``errors``;
+* ``settings`` (the declarations' generic code) imports nothing of ours but ``errors``,
+  so every configuration, the SDK's included, may use it;
 * no core module imports the top-level ``ems`` package (its public names): ``bench``,
   ``demo``, ``testing``, ``integrations`` and the command-line entry points are its
   users and may;
@@ -33,7 +35,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ems"
 CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server",
-        "cluster", "disk")
+        "cluster", "disk", "settings")
 
 
 def _modules():
@@ -79,6 +81,8 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
             if area == "disk" and to not in ("disk", "errors"):
                 bad.append(f"{module} imports {target}: the disk store is a pure engine")
+            if area == "settings" and to not in ("settings", "errors"):
+                bad.append(f"{module} imports {target}: settings may import only errors")
             if area == "cluster" and to in ("client", "server"):
                 bad.append(f"{module} imports {target}: the cluster parts are pure")
             if (area in CORE or area == "control") and to == "testing":

@@ -43,8 +43,13 @@ def _token(raw: Any, where: str) -> str:
     return text
 
 
+def _setting(doc: str, parse: Any, **kw: Any) -> Any:
+    """A setting of the environment and the flags (the service reads no file)."""
+    return setting(doc, parse, key=None, **kw)
+
+
 def _file(doc: str, flag: str, env: str) -> Any:
-    return setting(doc, Text(), default=None, env=env, flag=flag, metavar="FILE",
+    return _setting(doc, Text(), default=None, env=env, flag=flag, metavar="FILE",
                    shown="STATE_DIR/" + doc.split()[0].rstrip(":"))
 
 
@@ -52,7 +57,7 @@ def _file(doc: str, flag: str, env: str) -> Any:
 class ControlConfig:
     """The service's settings (see the module docstring)."""
 
-    state_dir: str = setting(
+    state_dir: str = _setting(
         "directory of the database, key and token files (made 0700)", Text(),
         default_factory=_default_state_dir, shown="~/.local/state/ems-control",
         env="EMS_CONTROL_STATE_DIR", flag="--state-dir", metavar="DIR")
@@ -67,28 +72,28 @@ class ControlConfig:
     daemon_token_file: Optional[str] = _file(
         "daemon.token: bearer token of the daemons (made 0600 when missing)",
         "--daemon-token-file", "EMS_CONTROL_DAEMON_TOKEN_FILE")
-    host: str = setting("address to listen on (plain HTTP: put TLS in front elsewhere)",
+    host: str = _setting("address to listen on (plain HTTP: put TLS in front elsewhere)",
                         Text(), default="127.0.0.1", env="EMS_CONTROL_HOST", flag="--host")
-    port: int = setting("port to listen on (0: any free one, see --port-file)",
+    port: int = _setting("port to listen on (0: any free one, see --port-file)",
                         Integer(0, 65535), default=DEFAULT_PORT, env="EMS_CONTROL_PORT",
                         flag="--port")
-    default_quota_bytes: int = setting(
+    default_quota_bytes: int = _setting(
         "pool size of a tenant created without one", Size(), default=256 << 20,
         env="EMS_CONTROL_DEFAULT_QUOTA", flag="--default-quota", dest="default_quota_bytes",
         metavar="SIZE")
-    max_quota_bytes: int = setting(
+    max_quota_bytes: int = _setting(
         "the largest quota the service accepts", Size(), default=1 << 40,
         env="EMS_CONTROL_MAX_QUOTA", flag="--max-quota", dest="max_quota_bytes",
         metavar="SIZE")
-    log_level: str = setting("DEBUG, INFO, WARNING or ERROR", Choice(_LEVELS, fold="upper"),
+    log_level: str = _setting("DEBUG, INFO, WARNING or ERROR", Choice(_LEVELS, fold="upper"),
                              default="INFO", env="EMS_LOG_LEVEL", flag="--log-level")
-    port_file: Optional[str] = setting(
+    port_file: Optional[str] = _setting(
         "write the port listened on to this file once listening (tests use port 0)",
         Text(), default=None, flag="--port-file", metavar="FILE")
-    admin_token: Optional[str] = setting(
+    admin_token: Optional[str] = _setting(
         "the admin token itself, instead of its file (never a flag: ps shows those)",
         _token, default=None, env="EMS_CONTROL_ADMIN_TOKEN", repr=False)
-    daemon_token: Optional[str] = setting(
+    daemon_token: Optional[str] = _setting(
         "the daemon token itself, instead of its file", _token, default=None,
         env="EMS_CONTROL_DAEMON_TOKEN", repr=False)
 

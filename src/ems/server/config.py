@@ -161,28 +161,37 @@ class Limits:
     """
 
     max_keys_per_request: int = _positive(
-        "keys in one request at most (the SDK sends larger calls in slices)", 4096)
+        "keys of one request; over it the request is refused (EMS_INVALID_ARGUMENT, "
+        "naming the limit); the SDK never sees it: it reads the limit from the daemon's "
+        "welcome and sends larger calls in slices (in order, a load stopping at its first "
+        "miss)", 4096)
     max_key_bytes: int = _positive(
-        "bytes of one storage key at most (the SDK's own keys are shorter)",
+        "bytes of one storage key; over it refused (EMS_INVALID_ARGUMENT); 1032 bytes is "
+        "the longest key the SDK's own rule (each key part < 128 characters) can make",
         SDK_MAX_KEY_BYTES, size=True)
     max_pins_per_connection: int = _positive(
-        "objects one connection may hold pinned (an Acquire pins what fits)", 65536)
+        "objects one connection holds pinned; an Acquire pins what fits, the keys after "
+        "it miss (CcResult.success is shorter)", 65536)
     max_frame_bytes: int = _positive(
-        "bytes of one frame at most (over it the connection is closed)", 8 << 20,
-        size=True)
+        "bytes of one frame; over it the connection is closed (EMS_PROTOCOL_ERROR); a "
+        "request of 4096 keys of 1032 bytes fits", 8 << 20, size=True)
     max_buffered_bytes: int = _positive(
-        "bytes of partial frames of all connections together", 64 << 20, size=True)
+        "bytes of partial frames of all connections together: the connection that goes "
+        "over is closed (EMS_IO_ERROR)", 64 << 20, size=True)
     max_connections_per_uid: int = _positive(
-        "connections of one local user (refused at accept)", 256)
+        "connections of one local user; over it refused at accept (EMS_RECOVERD_ERROR: "
+        "Ems.init may be retried later)", 256)
     max_connections_per_tenant: int = _positive(
-        "connections of one tenant (refused at hello; anonymous is one tenant)", 1024)
+        "connections of one tenant; over it refused at hello (EMS_RECOVERD_ERROR); the "
+        "anonymous namespace is one tenant", 1024)
     max_leases_per_connection: int = _positive(
-        "leases one connection may hold (past it small saves take reserve/commit)", 4)
+        "leases of one connection; over it no lease: that connection's small saves take "
+        "reserve + commit (two round trips)", 4)
     lease_share: float = setting(
-        "share of a tenant's pool all leases may hold", Number(0, 1, open_low=True),
-        default=0.25)
+        "share of a tenant's pool all its leases together may hold; over it no lease, as "
+        "above", Number(0, 1, open_low=True), default=0.25)
     handshake_timeout_s: float = setting(
-        "a connection that has not finished its handshake by then is closed, seconds",
+        "seconds; a connection that has not finished its handshake by then is closed",
         Number(0, open_low=True), default=10.0)
 
     def __post_init__(self) -> None:
@@ -324,10 +333,11 @@ class ServerConfig:
         "bytes of write-behind in flight at most (past it a save stays local only)",
         Size(), default=256 << 20, key="cluster_write_behind",
         flag="--cluster-write-behind", metavar="SIZE")
-    limits: Limits = section("a bound on what one client may hold or send (see Limits)",
+    limits: Limits = section("bounds on what one client may hold or send (the limits' table)",
                              Limits, key="limits", pairs_flag="--limit")
-    disk: Optional[DiskConfig] = section("the disk tier (off unless its path is given)",
-                                         DiskConfig, key="disk", optional=True)
+    disk: Optional[DiskConfig] = section(
+        "the disk tier (off unless its path is given; its settings: the disk tier's page)",
+        DiskConfig, key="disk", optional=True)
 
     def __post_init__(self) -> None:
         check_fields(self)
