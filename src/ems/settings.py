@@ -13,8 +13,9 @@ declarations, and nothing else, this module makes
   refuses a key nobody declared (``EMS_INVALID_ARGUMENT`` naming it and the known
   ones);
 * the check at construction (:func:`check_fields`, from ``__post_init__``): each
-  field's parser runs on the value, so ``ServerConfig(spin_us=-1)`` is refused with
-  the same message as ``--spin-us -1``; what relates two fields stays in the class;
+  field's parser runs on the value, so ``Limits(max_keys_per_request=0)`` is refused
+  with the same message as ``--limit max_keys_per_request=0``; what relates two fields
+  stays in the class;
 * the command line (:func:`add_flags`): one argparse option per declared flag, its
   help from the doc line, the default and the environment variable;
 * the docs' settings tables (:func:`markdown_table`; ``scripts/settings_tables.py``

@@ -24,8 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ems-control",
         description="The ems control plane: tenants, access keys and quotas of every "
                     "ems-server over REST (OpenAPI at /docs), and a status page at /.",
-        epilog="Settings: defaults < environment < flags; see "
-               "`python -c 'import ems.control.config as c; help(c)'`.")
+        epilog="Settings: defaults < environment < flags (docs/control-plane.md).")
     from ems.control.config import ControlConfig  # the declarations make the flags
     ControlConfig.add_flags(p)
     return p

@@ -26,8 +26,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="ems-server",
         description="The ems per-host KV-cache pool daemon. Subcommand: `ems-server stats "
                     "[--json]` prints the counters of a running daemon.",
-        epilog="Settings: defaults < config file < environment < flags; see "
-               "`python -c 'import ems.server.config as c; help(c)'`.")
+        epilog="Settings: defaults < config file < environment < flags; each flag's "
+               "file key and the [limits] and [disk] tables: docs/daemon.md (made from "
+               "the declarations in ems.server.config).")
     from ems.server.config import add_server_flags  # the declarations make the flags
     add_server_flags(p)
     return p
