@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ems.bench.gpu import gpu_table
+
 LAYERS, HEADS, HEAD, BLOCK = 32, 8, 128, 16
 #: bytes of one layer's K (or V) block: 16 x 8 x 128 x 2 = 32 KiB
 TENSOR_BLOCK = BLOCK * HEADS * HEAD * 2
@@ -282,24 +284,6 @@ def stall(check: Check, seconds: float) -> dict[str, float]:
             "iterations": iters, "blocks_saved": saved[0]}
 
 
-def table(result: dict[str, Any]) -> str:
-    lines = [f"device: {result['device']}; registration: {result['registration']}",
-             "exact: " + ", ".join(f"{k} {'ok' if v else 'WRONG'}"
-                                   for k, v in result["exact"].items()),
-             "", f"{'api':4} {'run':>8} {'op':5} {'ems GB/s':>9} {'pinned':>7} "
-             f"{'x pinned':>8} {'pageable':>9} {'x pageable':>10} {'bulk':>6}"]
-    for r in result["throughput"]:
-        lines.append(f"{r['api']:4} {r['run_bytes'] >> 10:>6}Ki {r['op']:5} "
-                     f"{r['gbps']:9.1f} {r['pinned_gbps']:7.1f} {r['x_pinned']:8.2f} "
-                     f"{r['pageable_gbps']:9.1f} {r['x_pageable']:10.2f} "
-                     f"{r['pinned_bulk_gbps']:6.1f}")
-    s = result["stall"]
-    lines += ["", f"matmul on the engine's stream: {s['alone_ms']:.3f} ms alone, "
-              f"{s['with_saves_ms']:.3f} ms with saves in flight (x{s['ratio']:.3f}, "
-              f"{s['blocks_saved']} blocks saved meanwhile)"]
-    return "\n".join(lines)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here (e.g. docs/bench-gpu.json)")
@@ -359,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "throughput": rows,
         "stall": stalls,
     }
-    print(table(result))
+    print(gpu_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -343,27 +343,8 @@ def gpu_check(d: Optional[dict[str, Any]]) -> str:
     if d is None:
         return ("Not measured yet — no GPU lent. `benchmarks/gpu_check.py --json "
                 "docs/bench-gpu.json` on a CUDA machine writes the figures this table shows.")
-    reg = d["registration"]
-    state = ("refused (pageable copies)" if reg["refusals"] else
-             f"{reg['registered_bytes'] >> 20} MiB registered in {reg['seconds']:.1f} s")
-    exact = ", ".join(f"{k.replace('_', ' ')} {'bit-exact' if v else '**WRONG**'}"
-                      for k, v in d["exact"].items())
-    m = d["machine"]
-    out = [f"Run of {d['date'][:10]} on one {d['device']} (torch {m['torch']}, CUDA "
-           f"{m['cuda']}, ems {m['ems']}, {d['elapsed_s']:.0f} s); pool memory: {state}; "
-           f"{exact}.", "",
-           "| API | run | op | ems GB/s | torch pinned | × pinned | torch pageable | "
-           "× pageable | bulk pinned (link) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in d["throughput"]:
-        out.append(f"| {r['api'].upper()} | {_size(r['run_bytes'])} | {r['op']} | "
-                   f"{r['gbps']:.1f} | {r['pinned_gbps']:.1f} | {r['x_pinned']:.2f} | "
-                   f"{r['pageable_gbps']:.1f} | {r['x_pageable']:.2f} | "
-                   f"{r['pinned_bulk_gbps']:.1f} |")
-    st = d["stall"]
-    out += ["", f"A bf16 matmul loop on the engine's stream: {st['alone_ms']:.3f} ms per "
-            f"iteration alone, {st['with_saves_ms']:.3f} ms with V1 saves in flight "
-            f"(×{st['ratio']:.3f}; {st['blocks_saved']} blocks of 2 MiB saved meanwhile)."]
-    return "\n".join(out)
+    from ems.bench.gpu import gpu_table
+    return gpu_table(d)
 
 
 def _size(n: int) -> str:

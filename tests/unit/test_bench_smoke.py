@@ -98,3 +98,23 @@ def test_gpu_check_without_cuda_exits_cleanly_with_one_line():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA device"), proc.stdout
+
+
+def test_the_gpu_table_renders_what_gpu_check_writes():
+    """One renderer for the script's output and the docs' block: a result of the shape
+    ``gpu_check.py --json`` writes gives one header, a row per throughput figure and
+    the stall line; a wrong copy is shown as such."""
+    from ems.bench.gpu import gpu_table
+    row = {"api": "v1", "run_bytes": 2 << 20, "op": "load", "gbps": 40.0,
+           "pinned_gbps": 50.0, "pageable_gbps": 10.0, "pinned_bulk_gbps": 52.0,
+           "x_pinned": 0.8, "x_pageable": 4.0}
+    result = {"date": "2026-12-02T08:00:00+00:00", "elapsed_s": 99.0, "device": "GPU X",
+              "machine": {"torch": "2.13.0", "cuda": "12.8", "ems": "0.1.0"},
+              "registration": {"refusals": 0, "registered_bytes": 8 << 30, "seconds": 1.5},
+              "exact": {"v1_fp16": True, "v0": False}, "throughput": [row, dict(row, op="save")],
+              "stall": {"alone_ms": 1.0, "with_saves_ms": 1.05, "ratio": 1.05,
+                        "blocks_saved": 12}}
+    text = gpu_table(result)
+    assert "8192 MiB registered" in text and "v0 **WRONG**" in text
+    assert "| V1 | 2 MiB | load | 40.0 | 50.0 | 0.80 | 10.0 | 4.00 | 52.0 |" in text
+    assert "(×1.050; 12 blocks" in text
