@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))  # the tree's own ems, installed or not
 
 def _blocks() -> dict[str, tuple[str, Callable[[], str]]]:
     from ems.config import PoolSettings
+    from ems.control.cli import ShellConfig
     from ems.control.config import ControlConfig
     from ems.integrations.settings import ConnectorSettings, StorageSettings
     from ems.server.config import DiskConfig, Limits, ServerConfig
@@ -36,6 +37,7 @@ def _blocks() -> dict[str, tuple[str, Callable[[], str]]]:
         "settings-limits": ("daemon.md", lambda: table(Limits, key_prefix="limits.")),
         "settings-disk": ("tiers/disk.md", lambda: table(DiskConfig, key_prefix="disk.")),
         "settings-control": ("control-plane.md", lambda: table(ControlConfig)),
+        "settings-control-cli": ("control-plane.md", lambda: table(ShellConfig)),
         "settings-sdk": ("sdk.md", lambda: table(PoolSettings)),
         "settings-vllm": ("vllm.md", lambda: table(
             ConnectorSettings, key_heading="extra config key", env_prefix="EMS_VLLM_")),

@@ -17,6 +17,7 @@ Exit status: 0 done, 1 refused or unreachable (the message says why), 2 bad usag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,25 +27,47 @@ import urllib.parse
 from typing import Any, Callable, Optional, Sequence
 
 from ems.control.client import http_json
+from ems.errors import EmsException
+from ems.settings import Layer, Number, Text, add_flags, load, setting
 
 __all__ = ["keys_main", "quota_main", "tenants_main"]
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
 
+@dataclasses.dataclass(frozen=True)
+class ShellConfig:
+    """Where the shell commands find the service and its admin token, each setting
+    declared once (defaults < environment < flags, merged by :func:`ems.settings.load`;
+    the table in docs/control-plane.md is generated from it)."""
+
+    url: str = setting("the ems-control service", Text(), default=DEFAULT_URL, key=None,
+                       env="EMS_CONTROL", flag="--url", metavar="URL")
+    token_file: Optional[str] = setting(
+        "admin token file", Text(),
+        default=None, key=None, env="EMS_CONTROL_ADMIN_TOKEN_FILE", flag="--token-file",
+        metavar="FILE", shown="STATE_DIR/admin.token")
+    token: Optional[str] = setting(
+        "the admin token itself, when no token file is given (never a flag: ps shows "
+        "those)", Text(), default=None, key=None, env="EMS_CONTROL_ADMIN_TOKEN", repr=False)
+    timeout_s: float = setting("give up on a request after this long (seconds)",
+                               Number(0.0, open_low=True), default=10.0, key=None,
+                               flag="--timeout-s", metavar="S")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help=f"ems-control (env EMS_CONTROL; default "
-                                               f"{DEFAULT_URL})")
-    p.add_argument("--token-file", default=None,
-                   help="admin token file (env EMS_CONTROL_ADMIN_TOKEN_FILE)")
+    add_flags(p, ShellConfig)
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this long")
 
 
-def _token(args: argparse.Namespace) -> str:
-    path = args.token_file or os.environ.get("EMS_CONTROL_ADMIN_TOKEN_FILE")
-    if not path and os.environ.get("EMS_CONTROL_ADMIN_TOKEN"):
-        return os.environ["EMS_CONTROL_ADMIN_TOKEN"].strip()
+def _config(args: argparse.Namespace) -> ShellConfig:
+    return load(ShellConfig, [Layer.environ(os.environ), Layer.flags(vars(args))])
+
+
+def _token(config: ShellConfig) -> str:
+    path = config.token_file
+    if not path and config.token:
+        return config.token.strip()
     if not path:
         from ems.control.config import ControlConfig
         path = ControlConfig().file("admin.token")
@@ -65,9 +88,10 @@ def _q(access_id: str) -> str:
 
 
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    url = (args.url or os.environ.get("EMS_CONTROL") or DEFAULT_URL).rstrip("/")
+    config = _config(args)
+    url = config.url.rstrip("/")
     try:
-        status, data = http_json(method, url + path, _token(args), body, args.timeout_s)
+        status, data = http_json(method, url + path, _token(config), body, config.timeout_s)
     except (urllib.error.URLError, OSError) as exc:
         raise _Fail(f"{url} is unreachable: {getattr(exc, 'reason', exc)}") from exc
     if status >= 400:
@@ -109,6 +133,10 @@ def _run(prog: str, build: Callable[[argparse.ArgumentParser], None],
     parser = argparse.ArgumentParser(prog=prog)
     build(parser)
     args = parser.parse_args(argv)
+    try:
+        _config(args)
+    except EmsException as exc:  # a bad --url / --timeout-s / variable: usage
+        parser.error(exc.message())
     try:
         data, text = args.func(args)
     except _Fail as exc:
