@@ -185,19 +185,27 @@ def disk_run(d: dict[str, Any]) -> str:
 
 
 def disk_throughput(d: dict[str, Any]) -> str:
-    out = ["| values | device write | spill | device read | load evicted | "
-           "load after restart | same batches from shared memory | engine alone w / r |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| values | device write | spill | records/s | heads | device read | "
+           "load evicted | load after restart | same batches from shared memory | "
+           "engine alone w / r |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in d["sizes"]:
         ev = ("–" if s["load_evicted_gbps"] is None else
               f"{s['load_evicted_gbps']:.2f} ({s['load_evicted_ratio']:.2f})")
         st = s["store"]
+        rec = s.get("spill_records_per_s")
+        head = s.get("header_overhead")
         out.append(f"| {s['name']} | {s['limit_write_gbps']:.2f} | {s['spill_gbps']:.2f} "
-                   f"({s['spill_ratio']:.2f}) | {s['limit_read_gbps']:.2f} | {ev} | "
+                   f"({s['spill_ratio']:.2f}) | {'–' if rec is None else f'{rec:,.0f}'} | "
+                   f"{'–' if head is None else f'{100 * head:.2f} %'} | "
+                   f"{s['limit_read_gbps']:.2f} | {ev} | "
                    f"{s['load_restart_gbps']:.2f} ({s['load_restart_ratio']:.2f}) | "
                    f"{s['load_shm_gbps']:.2f} | {st['write_gbps']:.2f} / "
                    f"{st['read_gbps']:.2f} |")
-    out += ["", "GB/s (ratio to the device's limit of the same direction). Per value size: "
+    out += ["", "GB/s (ratio to the device's limit of the same direction; the write limit "
+            "is the better of the value size and the tier's write buffer size); heads: "
+            "bytes written beyond the values (batch heads, padding) per byte written. "
+            "Per value size: "
             + "; ".join(
                 f"{s['name']}: {s['load_restart_found']} of {s['count']} objects found "
                 f"after the restart ({s['records_recovered']} records recovered, scan "
@@ -227,6 +235,14 @@ def disk_recovery(d: dict[str, Any]) -> str:
 
 def disk_targets(d: dict[str, Any]) -> str:
     out = ["| target | values | measured | met |", "|---|---|---:|---|"]
+    for s in d["sizes"]:
+        r = s["spill_ratio"]
+        out.append(f"| spill ≥ 0.9× the device's write | {s['name']} | {r:.2f}× | "
+                   f"{'yes' if r >= 0.9 else '**no**'} |")
+        head = s.get("header_overhead")
+        if head is not None and s["size"] == 16 << 10:
+            out.append(f"| header overhead ≤ 1 % of bytes written | {s['name']} | "
+                       f"{100 * head:.2f} % | {'yes' if head <= 0.01 else '**no**'} |")
     for s in d["sizes"]:
         r = s["load_restart_ratio"]
         out.append(f"| load from disk ≥ 0.8× the device's read | {s['name']} | {r:.2f}× | "

@@ -31,7 +31,7 @@ def test_bench_disk_tiny(tmp_path):
 
     data = json.loads((out / "bench-disk.json").read_text())
     assert data["threads"] >= 1 and data["shm_bytes"] == 4 * MIB
-    assert [s["size"] for s in data["sizes"]] == [MIB, 256 << 10]
+    assert [s["size"] for s in data["sizes"]] == [MIB, 256 << 10, 16 << 10]
     assert all(len(s["runs"]) == len(s["limits"]) == 1 for s in data["sizes"])
     for s in data["sizes"]:
         assert s["count"] * s["size"] == 16 * MIB
@@ -48,5 +48,9 @@ def test_bench_disk_tiny(tmp_path):
                     "spill_ratio", "load_restart_ratio"):
             assert s[key] > 0, key
         assert s["store"]["write_gbps"] > 0 and s["store"]["read_gbps"] > 0
+        # bytes, not time: the batch heads and padding are counted, and small
+        assert s["disk_bytes_written"] > s["bytes_written"], s
+        assert 0 < s["header_overhead"] < 0.02, s
+        assert s["limit_write_gbps"] >= s["limit_write_value_gbps"]
     assert data["checkpoint"]["records"] == 5000 and data["checkpoint"]["load_s"] > 0
     assert data["scan"]["records"] == 500 and data["scan"]["scan_s"] > 0

@@ -19,9 +19,13 @@ A region's lifecycle::
     (new) --reserve--> active --full / evicted-->  sealed --evicted--> (gone)
                          |  writers > 0: never evicted  |
 
-An entry is packed into one int (seq | size | block | region), one small object per key
-instead of a tuple of four: the index of a million keys is the keys' strings plus ~50
-bytes a key.
+An entry is packed into one int (checksum | seq | size | offset | region), one small
+object per key instead of a tuple of five: the index of a million keys is the keys'
+strings plus ~60 bytes a key.
+
+A reservation holds one write buffer's batch (``ems.disk.records``): the store commits
+each of its records at its own offset inside it (:meth:`DiskIndex.commit`), and the
+reservation's offset stays pending until the last one.
 """
 
 from __future__ import annotations
@@ -36,16 +40,23 @@ from ems.disk.records import ALIGN
 
 __all__ = ["DiskIndex", "Evicted", "Location", "Refusal", "Reservation", "columns"]
 
+_SUM_BITS = 64
 _SEQ_BITS = 48
 _SIZE_BITS = 40
-_BLOCK_BITS = 32
-_SIZE_AT = _SEQ_BITS
-_BLOCK_AT = _SIZE_AT + _SIZE_BITS
-_REGION_AT = _BLOCK_AT + _BLOCK_BITS
+_OFFSET_BITS = 40
+_SEQ_AT = _SUM_BITS
+_SIZE_AT = _SEQ_AT + _SEQ_BITS
+_OFFSET_AT = _SIZE_AT + _SIZE_BITS
+_REGION_AT = _OFFSET_AT + _OFFSET_BITS
+_SUM_MASK = (1 << _SUM_BITS) - 1
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+_SIZE_MASK = (1 << _SIZE_BITS) - 1
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 
-def _pack(region: int, offset: int, size: int, seq: int) -> int:
-    return (region << _REGION_AT) | ((offset // ALIGN) << _BLOCK_AT) | (size << _SIZE_AT) | seq
+def _pack(region: int, offset: int, size: int, seq: int, checksum: int) -> int:
+    return ((region << _REGION_AT) | (offset << _OFFSET_AT) | (size << _SIZE_AT)
+            | (seq << _SEQ_AT) | checksum)
 
 
 def _region_of(packed: int) -> int:
@@ -54,33 +65,34 @@ def _region_of(packed: int) -> int:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a key's record is: region id, byte offset in the region file, value size,
-    and the write's sequence number (the record's header must carry the same)."""
+    """Where a key's record is: region id, byte offset of its value in the region file,
+    value size, the write's sequence number and the record's checksum
+    (``ems.disk.records.record_checksum``: what a read checks the value against)."""
 
     region: int
     offset: int
     size: int
     seq: int
+    checksum: int = 0
 
     @classmethod
     def unpack(cls, packed: int) -> Location:
-        return cls(packed >> _REGION_AT,
-                   ((packed >> _BLOCK_AT) & ((1 << _BLOCK_BITS) - 1)) * ALIGN,
-                   (packed >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1),
-                   packed & ((1 << _SEQ_BITS) - 1))
+        return cls(packed >> _REGION_AT, (packed >> _OFFSET_AT) & _OFFSET_MASK,
+                   (packed >> _SIZE_AT) & _SIZE_MASK, (packed >> _SEQ_AT) & _SEQ_MASK,
+                   packed & _SUM_MASK)
 
 
-def columns(entries: dict[str, int]) -> tuple[list[str], array, array, array, array]:
+def columns(entries: dict[str, int]) -> tuple[list[str], array, array, array, array, array]:
     """A tenant's packed entries (:meth:`DiskIndex.entries`) as columns: keys, regions,
-    offsets, sizes, seqs (one comprehension each: a million in ~0.5 s, where a
+    offsets, sizes, seqs, checksums (one comprehension each: a million in ~0.5 s, where a
     :class:`Location` per entry took 3 s)."""
     packed = list(entries.values())
-    block_mask = (1 << _BLOCK_BITS) - 1
     return (list(entries),
             array("Q", [p >> _REGION_AT for p in packed]),
-            array("Q", [((p >> _BLOCK_AT) & block_mask) * ALIGN for p in packed]),
-            array("Q", [(p >> _SIZE_AT) & ((1 << _SIZE_BITS) - 1) for p in packed]),
-            array("Q", [p & ((1 << _SEQ_BITS) - 1) for p in packed]))
+            array("Q", [(p >> _OFFSET_AT) & _OFFSET_MASK for p in packed]),
+            array("Q", [(p >> _SIZE_AT) & _SIZE_MASK for p in packed]),
+            array("Q", [(p >> _SEQ_AT) & _SEQ_MASK for p in packed]),
+            array("Q", [p & _SUM_MASK for p in packed]))
 
 
 class Refusal(enum.Enum):
@@ -240,17 +252,22 @@ class DiskIndex:
     def _free_able(regions: OrderedDict[int, _Region]) -> int:
         return sum(r.end for r in regions.values() if not r.pending)
 
-    def commit(self, res: Reservation, key: str, size: int, seq: int) -> None:
-        """The record reserved by ``res`` is written: ``key`` now maps to it."""
+    def commit(self, res: Reservation, key: str, size: int, seq: int, *,
+               offset: Optional[int] = None, checksum: int = 0, last: bool = True) -> None:
+        """A record of the batch reserved by ``res`` is written: ``key`` now maps to its
+        value at ``offset`` (default: the reservation's) with ``checksum``; ``last``:
+        the batch's last record (the reservation is no longer pending)."""
         r = self._regions.get(res.region)
         if r is None:  # cannot happen: a region with a write in flight is never evicted
             raise AssertionError(f"region {res.region} vanished under a write")
-        r.pending.discard(res.offset)
+        if last:
+            r.pending.discard(res.offset)
         entries = self._entries.setdefault(res.tenant, {})
         old = entries.get(key)
         if old is not None:
             self._value_bytes[res.tenant] -= Location.unpack(old).size
-        entries[key] = _pack(res.region, res.offset, size, seq)
+        entries[key] = _pack(res.region, res.offset if offset is None else offset, size, seq,
+                             checksum)
         self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + size
         r.keys.append(key)
 
@@ -326,21 +343,22 @@ class DiskIndex:
             if prev.seq >= loc.seq:
                 return False
             self._value_bytes[tenant] -= prev.size
-        entries[key] = _pack(loc.region, loc.offset, loc.size, loc.seq)
+        entries[key] = _pack(loc.region, loc.offset, loc.size, loc.seq, loc.checksum)
         self._value_bytes[tenant] = self.value_bytes(tenant) + loc.size
         r.keys.append(key)
         return True
 
     def restore_bulk(self, tenant: str, keys: list[str], regions: Sequence[int],
-                     offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int]) -> int:
+                     offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int],
+                     checksums: Sequence[int]) -> int:
         """:meth:`restore_entry` for a checkpoint's columns, into a fresh index whose
         regions are restored (each key at most once); returns how many were kept. The
         packing and the dict are built by comprehension and ``dict.update`` and only one
         cheap loop remains (grouping keys by region): a million in ~1 s."""
         entries = self._entries.setdefault(tenant, {})
         entries.update(zip(keys, [
-            (rid << _REGION_AT) | ((off // ALIGN) << _BLOCK_AT) | (size << _SIZE_AT) | seq
-            for rid, off, size, seq in zip(regions, offsets, sizes, seqs)]))
+            (rid << _REGION_AT) | (off << _OFFSET_AT) | (size << _SIZE_AT) | (seq << _SEQ_AT) | x
+            for rid, off, size, seq, x in zip(regions, offsets, sizes, seqs, checksums)]))
         groups = {rid: r.keys for rid, r in self._by_tenant.get(tenant, {}).items()}
         lost_bytes = 0
         lost = []

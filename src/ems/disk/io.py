@@ -21,10 +21,11 @@ aligned and usually 4 KiB multiples); anything else, and a filesystem that refus
 Both descriptors of a file stay coherent: the kernel writes back and invalidates the
 page cache over the range of a direct transfer.
 
-Why chunks of at most ``chunk_bytes`` (of the value; the header block rides along with
-the first): a read checks its deadline between chunks, so a
-slow disk costs a caller at most one chunk's time past its deadline, and no byte lands
-in the caller's buffer from a transfer started after it.
+Why reads in chunks of at most ``chunk_bytes``: a read checks its deadline between
+chunks, so a slow disk costs a caller at most one chunk's time past its deadline, and no
+byte lands in the caller's buffer from a transfer started after it. A write (one write
+buffer's batch, gathered from the values where they are: no copy) is one ``pwritev``
+of up to :data:`IOV_MAX` pieces, split only past that or :data:`WRITE_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -39,8 +40,13 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ems.disk.records import ALIGN
 
-__all__ = ["LOCAL", "DirEntry", "FileSystem", "LocalFileSystem", "RegionFile", "address_of",
-           "probe_direct"]
+__all__ = ["IOV_MAX", "LOCAL", "WRITE_CHUNK_BYTES", "DirEntry", "FileSystem",
+           "LocalFileSystem", "RegionFile", "address_of", "probe_direct"]
+
+#: the most buffers one preadv/pwritev takes (Linux's UIO_MAXIOV)
+IOV_MAX = 1024
+#: the most bytes one pwritev of a batch moves
+WRITE_CHUNK_BYTES = 64 << 20
 
 Clock = Callable[[], float]
 
@@ -323,26 +329,22 @@ class RegionFile:
         direct = self.direct_fd >= 0 and _aligned(views, offset)
         fd = self.direct_fd if direct else self.fd
         pending = [v.cast("B") if v.format != "B" else v for v in views if v.nbytes]
-        first = True
+        pending.reverse()  # taken from the end: a batch of a thousand pieces is O(n)
+        limit = WRITE_CHUNK_BYTES if write else self.chunk_bytes
         while pending:
             if deadline is not None and clock() >= deadline:
                 raise TimeoutError
             chunk: list[memoryview] = []
-            # the header block rides with the first chunk of the value: a 1 MiB value is
-            # one call, not a 1 MiB call and a 4 KiB one (which cost a V0 write or read
-            # a second I/O's latency)
-            room = self.chunk_bytes + (pending[0].nbytes if first and len(pending) > 1
-                                       and pending[0].nbytes <= ALIGN else 0)
-            first = False
-            while pending and room:
-                v = pending[0]
+            room = limit
+            while pending and room and len(chunk) < IOV_MAX:
+                v = pending[-1]
                 take = min(room, v.nbytes)
                 chunk.append(v[:take])
                 room -= take
                 if take == v.nbytes:
-                    pending.pop(0)
+                    pending.pop()
                 else:
-                    pending[0] = v[take:]
+                    pending[-1] = v[take:]
             done = self._io(fd, chunk, offset, write)
             want = sum(c.nbytes for c in chunk)
             if done <= 0:
@@ -357,7 +359,7 @@ class RegionFile:
                         continue
                     rest.append(c[skip:])
                     skip = 0
-                pending[:0] = rest
+                pending.extend(reversed(rest))
         return direct
 
     def _io(self, fd: int, chunk: list[memoryview], offset: int, write: bool) -> int:

@@ -1,30 +1,38 @@
-"""The on-disk formats, pure: a record's header and the index checkpoint.
+"""The on-disk formats, pure: a write buffer's record batch and the index checkpoint.
 
 No file, clock or thread here: bytes in, values out, so both formats are
 property-tested (``decode(encode(x)) == x``, and any flipped byte is rejected).
 
-A record in a region file (every offset a multiple of :data:`ALIGN`)::
+A region file is a sequence of *batches* (CacheLib Navy's region buffers: one write
+buffer, one I/O), each starting at a multiple of :data:`ALIGN`::
 
-    offset 0                                          4096
-    +-------+---+---+-----+-----+-----+-----+---+---+-----+------//------+
-    | magic |ver|flg| hcrc| seq | vlen| xxh3|tl |kl | rsv | tenant key 0..|
-    | EMSR  | H | H |  I  |  Q  |  Q  |  Q  | H | H |  I  |  (padding)    |
-    +-------+---+---+-----+-----+-----+-----+---+---+-----+------//------+
-    | value: vlen bytes, then padding up to the next multiple of 4096        |
-    +-----------------------------------------------------------------------+
+    batch offset 0
+    +------+---+---+----+-----+--------+------+---+--------+------------------+
+    |magic |ver|flg|hcrc|count|head_len| span |tl | tenant | count entries:   |
+    | EMSB | H | H | I  |  I  |   I    |  Q   | H |        | off seq vlen xxh3|
+    |      |   |   |    |     |        |      |   |        | kl key (30+kl B) |
+    +------+---+---+----+-----+--------+------+---+--------+------------------+
+    | value 0 | value 1 | ... (each at its entry's offset)  | zeros up to span |
+    +--------------------------------------------------------------------------+
 
-* ``hcrc`` is a CRC-32 of the header's meaningful bytes (44 + tl + kl) with the
-  ``hcrc`` field zeroed: a scan rejects garbage (a torn or never-written block, the
-  middle of a value) from the header alone, without reading a value.
-* ``xxh3`` is XXH3-64 over the header's meaningful bytes (``hcrc`` and ``xxh3``
-  zeroed) followed by the value: a read verifies it after the bytes landed in the
-  caller's buffer, so a torn, damaged or stale record is a miss, never wrong bytes.
-* The header takes one whole 4096-byte block and the value starts on the next one, so
-  both can move with ``O_DIRECT`` straight between the page-aligned arena and the file
-  in one ``preadv``/``pwritev``. 4096 rather than the device's logical block (512 on
-  the machine measured) because 4096 satisfies every device and page size, and a store
-  copied to another device still reads; the cost is one block per record (6 % of a
-  64 KiB block, 25 % of a 16 KiB one).
+* A value whose length is a multiple of :data:`ALIGN` starts on an ``ALIGN`` boundary,
+  so it moves with ``O_DIRECT`` straight between the file and a page-aligned buffer (a
+  KV block of 16 KiB-1 MiB always does); any other value follows the previous one at 8
+  bytes. The batch's end is rounded up to ``ALIGN`` (``span``), so the next batch is
+  aligned: the padding is per batch, never per record. A head of 64 records of 16 KiB
+  with 64-byte keys is ~6 KiB, one 8 KiB pad: 0.8 % of the batch's 1 MiB; 256 records
+  (the default 4 MiB write buffer) 0.6 %. The format version 1 of ems 0.1 gave every
+  record a 4 KiB header block (25 % of a 16 KiB value).
+* ``hcrc`` is a CRC-32 of the head's ``head_len`` bytes with ``hcrc`` zeroed: a scan
+  rejects garbage (a torn or never-written block, the middle of a value) from the head
+  alone, without reading a value.
+* ``xxh3`` of an entry is :func:`record_checksum`: XXH3-64 of the record's identity
+  (sequence number, length, tenant, key) followed by the value. The index keeps it, so
+  a read moves the value alone (one I/O, no header) and checks the bytes that landed
+  in the caller's buffer against it: a torn, damaged or stale record is a miss, never
+  wrong bytes.
+* Version 1 records (magic ``EMSR``) and checkpoints (``EMSCKPT1``) do not parse: a store
+  of ems 0.1 opens empty (every old object a miss) and its regions are reclaimed first.
 
 The checkpoint (``index.ckpt``) is columnar so a million records load in well under a
 second (``benchmarks/disk_store.py``): a fixed header, the tenant names, the region
@@ -40,28 +48,37 @@ import zlib
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import xxhash
 
 __all__ = [
-    "ALIGN", "HEADER_BYTES", "MAX_NAME_BYTES", "Checkpoint", "CheckpointRegion",
-    "CheckpointTenant", "RecordHeader", "decode_checkpoint", "encode_checkpoint",
-    "encode_header", "parse_header", "record_span", "round_up", "value_checksum",
+    "ALIGN", "BATCH_FIXED_BYTES", "ENTRY_FIXED_BYTES", "MAX_NAME_BYTES", "VERSION",
+    "BatchHead", "BatchLayout", "Checkpoint", "CheckpointRegion", "CheckpointTenant",
+    "Entry", "decode_checkpoint", "encode_batch_head", "encode_checkpoint", "layout",
+    "parse_batch_fixed", "parse_batch_head", "record_checksum", "record_span",
+    "round_up",
 ]
 
-#: Alignment of every record, header and value (bytes): O_DIRECT's unit.
+#: Alignment of every batch (and of every value whose length is a multiple of it):
+#: O_DIRECT's unit.
 ALIGN = 4096
-#: A header occupies exactly one aligned block.
-HEADER_BYTES = ALIGN
+#: Alignment of a value whose length is not a multiple of :data:`ALIGN`.
+PACK = 8
 
-MAGIC = b"EMSR"
-VERSION = 1
-_FIXED = struct.Struct("<4sHHIQQQHHI")  # magic ver flags hcrc seq vlen xxh3 tl kl rsv
-#: The longest tenant + key (UTF-8 bytes) that fits the header block.
-MAX_NAME_BYTES = HEADER_BYTES - _FIXED.size
+MAGIC = b"EMSB"
+#: The on-disk format's version (1: ems 0.1's record per I/O with a 4 KiB header).
+VERSION = 2
+_BATCH = struct.Struct("<4sHHIIIQH")  # magic ver flags hcrc count head_len span tl
+_ENTRY = struct.Struct("<IQQQH")  # offset-in-batch seq vlen xxh3 kl
+_IDENT = struct.Struct("<QQHH")  # what record_checksum binds: seq vlen tl kl
+BATCH_FIXED_BYTES = _BATCH.size
+ENTRY_FIXED_BYTES = _ENTRY.size
+#: The longest tenant + key (UTF-8 bytes): a batch of one record has a one-block head.
+MAX_NAME_BYTES = ALIGN - _BATCH.size - _ENTRY.size
 _HCRC_AT = struct.calcsize("<4sHH")  # offset of hcrc in the fixed part
-_XXH_AT = struct.calcsize("<4sHHIQQ")  # offset of xxh3
+#: The most bytes a batch of more than one record spans (an entry's offset is 32-bit).
+MAX_BATCH_BYTES = 1 << 32
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -71,78 +88,145 @@ def round_up(n: int, unit: int = ALIGN) -> int:
     return -(-n // unit) * unit
 
 
+def _place(at: int, value_len: int) -> int:
+    """Where a value of ``value_len`` bytes goes at or after ``at``."""
+    return round_up(at, ALIGN if value_len % ALIGN == 0 else PACK)
+
+
 def record_span(value_len: int) -> int:
-    """Bytes a record with a ``value_len``-byte value occupies in its region."""
-    return HEADER_BYTES + round_up(value_len)
+    """The most bytes a record with a ``value_len``-byte value occupies in its region
+    (written alone: a one-block head, the value, the batch's end rounded up)."""
+    return ALIGN + round_up(value_len)
 
 
 @dataclass(frozen=True)
-class RecordHeader:
-    """A parsed header: who wrote the record, which write it was, and its checksum."""
+class Entry:
+    """One record of a batch: its key, write sequence number, value length, checksum
+    (:func:`record_checksum`) and the value's offset from the batch's start."""
 
-    tenant: str
     key: str
     seq: int
     value_len: int
-    value_xxh3: int
-    #: bytes of the header the checksums cover (fixed part + tenant + key)
-    meaningful: int
+    xxh3: int
+    offset: int
 
 
-def encode_header(tenant: str, key: str, seq: int, value: Buffer) -> bytearray:
-    """The header block (``HEADER_BYTES`` bytes, zero padded) of a record holding
-    ``value``; raises ``ValueError`` when tenant + key do not fit the block."""
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where a batch's parts go: the head's length, each value's offset from the batch's
+    start, and the bytes the batch spans (a multiple of :data:`ALIGN`)."""
+
+    head_len: int
+    offsets: tuple[int, ...]
+    span: int
+
+
+@dataclass(frozen=True)
+class BatchHead:
+    """A parsed batch head."""
+
+    tenant: str
+    span: int
+    head_len: int
+    entries: tuple[Entry, ...]
+
+
+def layout(tenant: str, records: Sequence[tuple[str, int]]) -> BatchLayout:
+    """The layout of a batch of ``tenant``'s ``records`` (key, value length); raises
+    ``ValueError`` when tenant + a key exceed :data:`MAX_NAME_BYTES`."""
+    tl = len(tenant.encode())
+    head = _BATCH.size + tl
+    for key, _ in records:
+        kl = len(key.encode())
+        if tl + kl > MAX_NAME_BYTES:
+            raise ValueError(f"tenant + key are {tl + kl} bytes, at most {MAX_NAME_BYTES}")
+        head += _ENTRY.size + kl
+    at = head
+    offsets = []
+    for _, n in records:
+        at = _place(at, n)
+        offsets.append(at)
+        at += n
+    return BatchLayout(head, tuple(offsets), round_up(at))
+
+
+def record_checksum(tenant: str, key: str, seq: int, value: Buffer) -> int:
+    """XXH3-64 of the record's identity (``seq``, the value's length, ``tenant``,
+    ``key``) followed by ``value``: what a read checks the bytes it got against."""
     t = tenant.encode()
     k = key.encode()
-    if len(t) + len(k) > MAX_NAME_BYTES:
-        raise ValueError(f"tenant + key are {len(t) + len(k)} bytes, at most {MAX_NAME_BYTES}")
-    n = _FIXED.size + len(t) + len(k)
-    block = bytearray(HEADER_BYTES)
-    _FIXED.pack_into(block, 0, MAGIC, VERSION, 0, 0, seq, len(value), 0, len(t), len(k), 0)
-    block[_FIXED.size:n] = t + k
-    struct.pack_into("<Q", block, _XXH_AT, value_checksum(memoryview(block)[:n], value))
-    struct.pack_into("<I", block, _HCRC_AT, zlib.crc32(memoryview(block)[:n]))
-    return block
-
-
-def value_checksum(header: Buffer, value: Buffer) -> int:
-    """XXH3-64 of ``header`` (its meaningful bytes, ``hcrc`` and ``xxh3`` read as zero)
-    followed by ``value``."""
     h = xxhash.xxh3_64()
-    head = bytearray(header)
-    head[_HCRC_AT:_HCRC_AT + 4] = b"\0" * 4
-    head[_XXH_AT:_XXH_AT + 8] = b"\0" * 8
-    h.update(head)
+    h.update(_IDENT.pack(seq, memoryview(value).nbytes, len(t), len(k)) + t + k)
     h.update(value)
     return int(h.intdigest())
 
 
-def parse_header(block: Buffer) -> Optional[RecordHeader]:
-    """The header at the start of ``block``, or None when it is not a valid header
-    (wrong magic or version, lengths out of range, names not UTF-8, CRC mismatch)."""
-    if len(block) < _FIXED.size:
+def encode_batch_head(tenant: str, entries: Sequence[Entry], span: int) -> bytearray:
+    """The head of a batch of ``entries`` spanning ``span`` bytes (``head_len`` bytes
+    long; the caller pads it to its first value)."""
+    t = tenant.encode()
+    out = bytearray(_BATCH.size)
+    out += t
+    for e in entries:
+        k = e.key.encode()
+        out += _ENTRY.pack(e.offset, e.seq, e.value_len, e.xxh3, len(k))
+        out += k
+    _BATCH.pack_into(out, 0, MAGIC, VERSION, 0, 0, len(entries), len(out), span, len(t))
+    struct.pack_into("<I", out, _HCRC_AT, zlib.crc32(out))
+    return out
+
+
+def parse_batch_fixed(block: Buffer) -> Optional[tuple[int, int]]:
+    """(head_len, span) of the batch starting at ``block``, or None when it does not
+    start with a version-2 batch head (the CRC is checked by :func:`parse_batch_head`)."""
+    if len(block) < _BATCH.size:
         return None
-    magic, ver, _flags, hcrc, seq, vlen, xxh, tl, kl, _rsv = _FIXED.unpack_from(block, 0)
-    if magic != MAGIC or ver != VERSION or tl + kl > MAX_NAME_BYTES:
+    magic, ver, _flags, _hcrc, count, head_len, span, tl = _BATCH.unpack_from(block, 0)
+    if (magic != MAGIC or ver != VERSION or span % ALIGN or span < head_len
+            or head_len < _BATCH.size + tl + count * _ENTRY.size):
         return None
-    n = _FIXED.size + tl + kl
-    if len(block) < n:
+    return head_len, span
+
+
+def parse_batch_head(block: Buffer) -> Optional[BatchHead]:
+    """The batch head at the start of ``block`` (at least its ``head_len`` bytes), or
+    None when it is not a valid one (magic, version, CRC, lengths, offsets, UTF-8)."""
+    fixed = parse_batch_fixed(block)
+    if fixed is None:
         return None
-    head = bytearray(block[:n])
+    head_len, span = fixed
+    if len(block) < head_len:
+        return None
+    head = bytearray(block[:head_len])
+    _m, _v, _f, hcrc, count, _hl, _s, tl = _BATCH.unpack_from(head, 0)
     head[_HCRC_AT:_HCRC_AT + 4] = b"\0" * 4
     if zlib.crc32(head) != hcrc:
         return None
     try:
-        tenant = bytes(head[_FIXED.size:_FIXED.size + tl]).decode()
-        key = bytes(head[_FIXED.size + tl:n]).decode()
-    except UnicodeDecodeError:
+        at = _BATCH.size
+        tenant = bytes(head[at:at + tl]).decode()
+        at += tl
+        entries = []
+        end = head_len
+        for _ in range(count):
+            off, seq, vlen, xxh, kl = _ENTRY.unpack_from(head, at)
+            at += _ENTRY.size
+            key = bytes(head[at:at + kl]).decode()
+            at += kl
+            if off < end or off + vlen > span or tl + kl > MAX_NAME_BYTES:
+                return None
+            end = off + vlen
+            entries.append(Entry(key, seq, vlen, xxh, off))
+    except (struct.error, UnicodeDecodeError):
         return None
-    return RecordHeader(tenant, key, seq, vlen, xxh, n)
+    if at != head_len:
+        return None
+    return BatchHead(tenant, span, head_len, tuple(entries))
 
 
 # --- the checkpoint ------------------------------------------------------------------
 
-_CK_MAGIC = b"EMSCKPT1"
+_CK_MAGIC = b"EMSCKPT2"  # 1: ems 0.1 (no checksum column)
 _CK_HEAD = struct.Struct("<8sQQII")  # magic next_seq next_region n_tenants n_regions
 _CK_REGION = struct.Struct("<IQQ")  # tenant index, region id, scan_from
 
@@ -166,6 +250,7 @@ class CheckpointTenant:
     offsets: array  # 'Q'
     sizes: array  # 'Q'
     seqs: array  # 'Q'
+    checksums: array  # 'Q': each record's :func:`record_checksum`
 
 
 @dataclass(frozen=True)
@@ -198,7 +283,7 @@ def encode_checkpoint(ck: Checkpoint) -> bytes:
         if t is None:
             continue
         lens = array("Q", [len(k) for k in keys])
-        for col in (t.regions, t.offsets, t.sizes, t.seqs, lens):
+        for col in (t.regions, t.offsets, t.sizes, t.seqs, t.checksums, lens):
             out += col.tobytes()
         out += blob
     out += struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out)))
@@ -232,20 +317,20 @@ def decode_checkpoint(data: bytes) -> Optional[Checkpoint]:
             count, blob_len = struct.unpack_from("<QQ", data, at)
             at += 16
             cols = []
-            for _ in range(5):
+            for _ in range(6):
                 col = array("Q")
                 col.frombytes(data[at:at + 8 * count])
                 at += 8 * count
                 cols.append(col)
             text = data[at:at + blob_len].decode()
             at += blob_len
-            ends = list(accumulate(cols[4]))
+            ends = list(accumulate(cols[5]))
             # slices made and applied by map: no Python-level loop per key
             keys = list(map(text.__getitem__, map(slice, [0, *ends[:-1]], ends)))
             if ends and ends[-1] != len(text):
                 return None
             if count:
-                tenants.append(CheckpointTenant(name, keys, *cols[:4]))
+                tenants.append(CheckpointTenant(name, keys, *cols[:5]))
         if at != len(data) - 8:
             return None
         return Checkpoint(next_seq, next_region, regions, tenants)

@@ -12,15 +12,21 @@
                |                 back after a power cut because the removal was not
                v                 durable yet)
          scan each region from the checkpoint's scan_from offset (0 for a region
-         the checkpoint does not know): a header whose CRC, tenant or value checksum
-         fails is skipped a block at a time; the newest seq of a key wins --------> ok
+         the checkpoint does not know), a batch at a time: a head whose magic,
+         version, CRC or tenant fails is skipped a block at a time, a record whose
+         value fails its checksum is dropped (counted); the newest seq of a key
+         wins ------------------------------------------------------------------> ok
 
 A region's ``scan_from`` is its end at the checkpoint, or the lowest offset of a write
 that was still in flight then, so a record committed after the checkpoint is always
 scanned. Region ids are never reused (an evicted region's file is deleted), so a
 checkpoint's entry can never point into a different, newer file; and every read checks
 the header's tenant, key and seq against the index and the value's checksum anyway.
-A torn record (``kill -9`` mid-write) fails its checksum: a miss. What a crash can undo
+A torn record (``kill -9`` mid-write) fails its checksum: a miss; a torn batch head
+loses the batch's records (none of which the index served before the crash: a batch
+enters the index only once its write returned). A store of the format version 1
+(ems 0.1: a record per I/O, magic ``EMSR``) has no batch to find and its checkpoint
+does not decode: it opens empty and its region files are reclaimed first. What a crash can undo
 is only what the last checkpoint did not see: a record written after it and deleted
 before the crash may come back, and a key rewritten after it whose new record's region
 was evicted before the crash comes back with its earlier record (bytes that were stored
@@ -38,14 +44,14 @@ from ems.disk.index import DiskIndex, Location
 from ems.disk.io import LOCAL, FileSystem
 from ems.disk.records import (
     ALIGN,
-    HEADER_BYTES,
+    BATCH_FIXED_BYTES,
     Checkpoint,
-    RecordHeader,
+    Entry,
     decode_checkpoint,
-    parse_header,
-    record_span,
+    parse_batch_fixed,
+    parse_batch_head,
+    record_checksum,
     round_up,
-    value_checksum,
 )
 
 __all__ = ["CHECKPOINT", "CLEAN_MARKER", "Recovered", "recover", "region_path", "scan_region",
@@ -130,43 +136,44 @@ def _load_checkpoint(fs: FileSystem, root: str) -> Optional[Checkpoint]:
 
 
 def scan_region(fs: FileSystem, path: str, tenant: str, start: int,
-                damaged: list[int]) -> Iterator[tuple[RecordHeader, int]]:
+                damaged: list[int]) -> Iterator[tuple[Entry, int]]:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start`` on:
-    (header, offset). A header that parses but whose value fails its checksum or runs
-    past the end of the file is counted in ``damaged[0]``."""
+    (entry, the value's offset in the file). A record of a valid batch head whose value
+    fails its checksum or runs past the end of the file is counted in ``damaged[0]``."""
     fd = fs.open_file(path)
     try:
         size = fs.file_size(fd)
         buf = b""
         buf_at = start
         pos = start
-        while pos + HEADER_BYTES <= size:
-            if pos + HEADER_BYTES > buf_at + len(buf):
-                buf = fs.read_bytes(fd, SCAN_READ_BYTES, pos)
-                buf_at = pos
-            view = memoryview(buf)
-            at = pos - buf_at
-            h = parse_header(view[at:at + HEADER_BYTES])
-            if h is None or h.tenant != tenant:
+
+        def have(lo: int, hi: int) -> memoryview:
+            """Bytes [lo, hi) of the file (fewer at its end), read ahead in big preads."""
+            nonlocal buf, buf_at
+            if lo < buf_at or hi > buf_at + len(buf):
+                buf = fs.read_bytes(fd, max(SCAN_READ_BYTES, hi - lo), lo)
+                buf_at = lo
+            return memoryview(buf)[lo - buf_at:hi - buf_at]
+
+        while pos + BATCH_FIXED_BYTES <= size:
+            fixed = parse_batch_fixed(have(pos, pos + BATCH_FIXED_BYTES))
+            head = None
+            if fixed is not None and pos + fixed[0] <= size:
+                head = parse_batch_head(have(pos, pos + fixed[0]))
+            if head is None or head.tenant != tenant:
                 pos += ALIGN
                 continue
-            end = pos + HEADER_BYTES + h.value_len
-            if end > size:
-                damaged[0] += 1
-                pos += ALIGN
-                continue
-            if end > buf_at + len(buf):
-                buf = fs.read_bytes(fd, max(SCAN_READ_BYTES, end - pos), pos)
-                buf_at = pos
-                view = memoryview(buf)
-                at = 0
-            value = view[at + HEADER_BYTES:at + HEADER_BYTES + h.value_len]
-            if value_checksum(view[at:at + h.meaningful], value) != h.value_xxh3:
-                damaged[0] += 1
-                pos += ALIGN
-                continue
-            yield h, pos
-            pos += record_span(h.value_len)
+            for e in head.entries:
+                at = pos + e.offset
+                if at + e.value_len > size:
+                    damaged[0] += 1
+                    continue
+                value = have(at, at + e.value_len)
+                if record_checksum(tenant, e.key, e.seq, value) != e.xxh3:
+                    damaged[0] += 1
+                    continue
+                yield e, at
+            pos += head.span
     finally:
         fs.close(fd)
 
@@ -201,7 +208,8 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
     if ck is not None:
         next_seq = ck.next_seq
         for t in ck.tenants:
-            index.restore_bulk(t.tenant, t.keys, t.regions, t.offsets, t.sizes, t.seqs)
+            index.restore_bulk(t.tenant, t.keys, t.regions, t.offsets, t.sizes, t.seqs,
+                               t.checksums)
     skip = clean and ck is not None
     damaged = [0]
     scanned = 0
@@ -212,13 +220,13 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
             if f.size <= start:
                 continue
             try:
-                for h, offset in scan_region(fs, region_path(root, f.tenant, rid),
+                for e, offset in scan_region(fs, region_path(root, f.tenant, rid),
                                              f.tenant, start, damaged):
                     scanned += 1
                     scanned_regions.add(rid)
-                    next_seq = max(next_seq, h.seq + 1)
-                    index.restore_entry(f.tenant, h.key,
-                                        Location(rid, offset, h.value_len, h.seq))
+                    next_seq = max(next_seq, e.seq + 1)
+                    index.restore_entry(f.tenant, e.key,
+                                        Location(rid, offset, e.value_len, e.seq, e.xxh3))
             except FileNotFoundError:
                 index.drop_region(rid)
     return Recovered(index, next_seq, index.objects(), damaged[0], scanned, skip, ck is not None,

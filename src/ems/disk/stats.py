@@ -74,9 +74,15 @@ class DiskStatistics:
     scan_skipped: bool
     checkpoints: int
     last_checkpoint_age_s: Optional[float]
-    #: whether the filesystem accepts O_DIRECT, and how many transfers used it
+    #: whether the filesystem accepts O_DIRECT, and how many transfers used it (a write
+    #: is one batch: one write buffer's pwritev)
     direct_io: bool
     direct_writes: int
     buffered_writes: int
     direct_reads: int
     buffered_reads: int
+    #: write buffers written (one pwritev each, many records)
+    batches_written: int = 0
+    #: bytes those batches span on disk: values, heads and padding (the header overhead
+    #: is ``1 - bytes_written / disk_bytes_written``)
+    disk_bytes_written: int = 0

@@ -9,9 +9,10 @@ loop (they take one short lock, never do I/O).
 Guarantees:
 
 * ``kill -9`` at any instant never makes a read return wrong bytes: every read checks
-  the record's header (magic, tenant, key, length, sequence number equal to the index's)
-  and the XXH3-64 of header and value after the bytes landed, and says ``DAMAGED``
-  otherwise.
+  the XXH3-64 of the record's identity (tenant, key, length, the index's sequence
+  number) and the bytes that landed against the checksum the index keeps, and says
+  ``DAMAGED`` otherwise. Writes are batches (``records.py``: a write buffer's records,
+  one ``pwritev``); a key enters the index only once its batch's write returned.
 * Every object on disk at the last checkpoint is found after a restart (unless evicted
   since), after a power cut too, by the letter of fsync(2) (the contract, point by
   point, is in ``docs/tiers/disk.md``, "After a power cut"). A checkpoint::
@@ -60,16 +61,17 @@ from typing import Callable, Optional, Sequence, Union
 from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
 from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct
 from ems.disk.records import (
-    HEADER_BYTES,
+    ALIGN,
     MAX_NAME_BYTES,
     Checkpoint,
     CheckpointRegion,
     CheckpointTenant,
+    Entry,
+    encode_batch_head,
     encode_checkpoint,
-    encode_header,
-    parse_header,
-    record_span,
-    value_checksum,
+    layout,
+    record_checksum,
+    round_up,
 )
 from ems.disk.recovery import CHECKPOINT, CLEAN_MARKER, recover, region_path, tenant_dir
 from ems.disk.settings import DiskSettings
@@ -122,12 +124,25 @@ _REFUSED = {Refusal.QUOTA: WriteResult.QUOTA, Refusal.NO_SPACE: WriteResult.NO_S
             Refusal.TOO_LARGE: WriteResult.TOO_LARGE}
 
 
+#: zeros: the padding between a batch's parts (a view of it is written, never changed)
+_ZEROS = memoryview(mmap.mmap(-1, ALIGN))
+
+
 class _Scratch(threading.local):
-    """A page-aligned header block per thread (O_DIRECT needs aligned memory)."""
+    """A page-aligned buffer per thread for a batch's head (O_DIRECT needs aligned
+    memory), grown to the largest head so far."""
 
     def __init__(self) -> None:
-        self.block = mmap.mmap(-1, HEADER_BYTES)
-        self.view = memoryview(self.block)
+        self.block = mmap.mmap(-1, ALIGN)
+
+    def head(self, data: Union[bytes, bytearray], length: int) -> memoryview:
+        """``data`` then zeros, ``length`` bytes, in the thread's aligned buffer."""
+        if length > len(self.block):
+            self.block = mmap.mmap(-1, round_up(length))
+        view = memoryview(self.block)[:length]
+        view[:len(data)] = data
+        view[len(data):] = bytes(length - len(data))
+        return view
 
 
 class DiskStore:
@@ -399,35 +414,91 @@ class DiskStore:
 
     def write(self, tenant: str, key: str, value: Union[memoryview, bytes, bytearray]
               ) -> WriteResult:
-        """Append a record holding ``value`` (blocking); the key is in the index once the
-        record is in the page cache (durable at the next checkpoint). Never raises for a
-        disk condition. Waits for recovery first (it must know the sequence numbers)."""
-        if not self._opened:
-            return WriteResult.OFF
+        """:meth:`write_batch` of one value (a batch of one: a one-block head)."""
+        return self.write_batch(tenant, [(key, value)])[0]
+
+    def write_batch(self, tenant: str,
+                    items: Sequence[tuple[str, Union[memoryview, bytes, bytearray]]]
+                    ) -> list[WriteResult]:
+        """Append records holding the (key, value) ``items`` (blocking), packed into
+        batches of at most ``write_buffer_bytes``, each one ``pwritev`` gathered from
+        the values where they lie (no copy); a key is in the index once its batch's
+        write returned (its bytes are in the file: durable at the next checkpoint),
+        never before, so a read never sees a record still being written. Never raises
+        for a disk condition. Waits for recovery first (it must know the sequence
+        numbers). A key given twice is written once (the first; ``EXISTS`` after)."""
+        results = [WriteResult.OFF] * len(items)
+        if not self._opened or not items:
+            return results
         self._recovered.wait()
         t0 = self._clock()
-        view = memoryview(value)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if len(tenant.encode()) + len(key.encode()) > MAX_NAME_BYTES:
-            return self._refuse(WriteResult.TOO_LARGE)
+        views: list[memoryview] = []
+        todo: list[int] = []
+        seen: set[str] = set()
+        for i, (key, value) in enumerate(items):
+            view = memoryview(value)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+            views.append(view)
+            if len(tenant.encode()) + len(key.encode()) > MAX_NAME_BYTES:
+                results[i] = self._refuse(WriteResult.TOO_LARGE)
+            elif key in seen:
+                results[i] = WriteResult.EXISTS
+            else:
+                seen.add(key)
+                todo.append(i)
+        if not todo:
+            return results
         if self._state is not DiskState.OK or not self._alive():
-            return WriteResult.OFF
-        span = record_span(view.nbytes)
+            return results
+        cap = self.settings.write_buffer_bytes
+        batch: list[int] = []
+        batch_bytes = 0
+        for i in todo:
+            span = round_up(views[i].nbytes)
+            if batch and batch_bytes + span > cap:
+                self._write_one_batch(tenant, items, views, batch, results)
+                batch, batch_bytes = [], 0
+            batch.append(i)
+            batch_bytes += span
+        if batch:
+            self._write_one_batch(tenant, items, views, batch, results)
+        if WriteResult.WRITTEN in results:
+            self._write_lat.add(self._clock() - t0)
+        return results
+
+    def _write_one_batch(self, tenant: str,
+                         items: Sequence[tuple[str, Union[memoryview, bytes, bytearray]]],
+                         views: list[memoryview], batch: list[int],
+                         results: list[WriteResult]) -> None:
+        """Reserve, write and commit one batch of ``items`` (their indexes ``batch``),
+        setting each one's entry of ``results``."""
         with self._lock:
             if self._state is not DiskState.OK:
-                return WriteResult.OFF
-            if self._index.size_of(tenant, key) == view.nbytes:
-                return WriteResult.EXISTS
-            if not self._take_budget(span):
-                self._c["refused_budget"] += 1
-                return WriteResult.BUDGET
-            res = self._index.reserve(tenant, span)
+                return
+            fresh = []
+            for i in batch:
+                if self._index.size_of(tenant, items[i][0]) == views[i].nbytes:
+                    results[i] = WriteResult.EXISTS
+                else:
+                    fresh.append(i)
+            batch = fresh
+            if not batch:
+                return
+            shape = layout(tenant, [(items[i][0], views[i].nbytes) for i in batch])
+            if not self._take_budget(shape.span):
+                self._c["refused_budget"] += len(batch)
+                for i in batch:
+                    results[i] = WriteResult.BUDGET
+                return
+            res = self._index.reserve(tenant, shape.span)
             if isinstance(res, Refusal):
-                self._c["refused_" + res.value] += 1
-                return _REFUSED[res]
-            seq = self._next_seq
-            self._next_seq += 1
+                self._c["refused_" + res.value] += len(batch)
+                for i in batch:
+                    results[i] = _REFUSED[res]
+                return
+            first_seq = self._next_seq
+            self._next_seq += len(batch)
             self._in_flight += 1
             gone = self._forget_files(res.evicted)
             failed: Optional[OSError] = None
@@ -442,31 +513,49 @@ class DiskStore:
                 assert failed is not None
                 result = self._write_failed(res, failed)
             else:
-                result = self._write_record(f, res, key, seq, view)
+                result = self._write_records(f, res, shape.offsets, shape.span, first_seq,
+                                             [(items[i][0], views[i]) for i in batch])
+            for i in batch:
+                results[i] = result
         finally:
             with self._lock:
                 self._in_flight -= 1
                 self._idle.notify_all()
-        if result is WriteResult.WRITTEN:
-            self._write_lat.add(self._clock() - t0)
-        return result
 
-    def _write_record(self, f: RegionFile, res: Reservation, key: str, seq: int,
-                      view: memoryview) -> WriteResult:
+    def _write_records(self, f: RegionFile, res: Reservation, offsets: Sequence[int],
+                       span: int, first_seq: int, records: Sequence[tuple[str, memoryview]]
+                       ) -> WriteResult:
+        """One batch: its head, then each value at its offset, zeros between and up to
+        ``span`` (none when every length is a multiple of ALIGN: then it goes O_DIRECT),
+        in one ``pwritev``; then every record enters the index at once."""
         try:
-            header = encode_header(res.tenant, key, seq, view)
-            scratch = self._scratch.view
-            scratch[:] = header
-            direct = f.write([scratch, view], res.offset)
+            entries = [Entry(key, first_seq + n, view.nbytes,
+                             record_checksum(res.tenant, key, first_seq + n, view), off)
+                       for n, ((key, view), off) in enumerate(zip(records, offsets))]
+            head = encode_batch_head(res.tenant, entries, span)
+            parts = [self._scratch.head(head, offsets[0])]
+            at = offsets[0]
+            for (_key, view), off in zip(records, offsets):
+                if off > at:
+                    parts.append(_ZEROS[:off - at])
+                parts.append(view)
+                at = off + view.nbytes
+            if span > at:
+                parts.append(_ZEROS[:span - at])
+            direct = f.write(parts, res.offset)
         except OSError as exc:
             return self._write_failed(res, exc)
         finally:
             self._release(f)
         with self._lock:
-            self._index.commit(res, key, view.nbytes, seq)
+            for n, e in enumerate(entries):
+                self._index.commit(res, e.key, e.value_len, e.seq, offset=res.offset + e.offset,
+                                   checksum=e.xxh3, last=n == len(entries) - 1)
+                self._c["bytes_written"] += e.value_len
             self._dirty.add(res.region)
-            self._c["writes"] += 1
-            self._c["bytes_written"] += view.nbytes
+            self._c["writes"] += len(entries)
+            self._c["batches_written"] += 1
+            self._c["bytes_written_disk"] += span
             self._c["direct_writes" if direct else "buffered_writes"] += 1
         return WriteResult.WRITTEN
 
@@ -574,9 +663,11 @@ class DiskStore:
 
     def _read_record(self, f: RegionFile, tenant: str, key: str, loc: Location,
                      into: memoryview, deadline: float) -> ReadResult:
-        head = self._scratch.view
+        """The value alone (one transfer, O_DIRECT when ``into`` and the offset allow),
+        then its checksum against the index's: the record's identity (tenant, key, seq,
+        length) is in the checksum, so a stale or torn record fails it."""
         try:
-            got = f.read([head, into], loc.offset, deadline, self._clock)
+            got = f.read([into], loc.offset, deadline, self._clock)
         except EOFError:
             got = False
             damaged = True
@@ -590,10 +681,7 @@ class DiskStore:
         if got is None:
             return ReadResult.TIMEOUT
         if not damaged:
-            h = parse_header(head)
-            damaged = (h is None or h.tenant != tenant or h.key != key or h.seq != loc.seq
-                       or h.value_len != loc.size
-                       or value_checksum(head[:h.meaningful], into) != h.value_xxh3)
+            damaged = record_checksum(tenant, key, loc.seq, into) != loc.checksum
         if damaged:
             with self._lock:
                 dropped = self._index.remove(tenant, key, seq=loc.seq) is not None
@@ -794,5 +882,6 @@ class DiskStore:
                 checkpoints=c["checkpoints"], last_checkpoint_age_s=age,
                 direct_io=self._direct, direct_writes=c["direct_writes"],
                 buffered_writes=c["buffered_writes"], direct_reads=c["direct_reads"],
-                buffered_reads=c["buffered_reads"])
+                buffered_reads=c["buffered_reads"], batches_written=c["batches_written"],
+                disk_bytes_written=c["bytes_written_disk"])
 

@@ -6,8 +6,10 @@ an index checkpointed every ``checkpoint_s``). The SDK's calls do not change:
 
 * **Saves.** An object committed in shared memory is queued to be written to disk
   (``admission = "all"``; ``"second-hit"``: only a key saved again after it left shared
-  memory, i.e. one worth keeping). A worker writes it from the pool memory, pinned
-  meanwhile, so the write costs no copy beyond the disk's own. Writes in flight are
+  memory, i.e. one worth keeping). A worker writes a save's objects together from the
+  pool memory, pinned meanwhile, packed into the store's write buffers (many records
+  per I/O, gathered where they lie), so the write costs no copy beyond the disk's own.
+  Writes in flight are
   bounded (``inflight``, 64 MiB), and so are the bytes waiting (``queue``, 1 GiB; past
   it a save is not written to disk, counted as ``queue_dropped``).
 * **Loads.** Lookups go shared memory -> disk -> cluster. A load's keys that shared
@@ -100,6 +102,9 @@ class DiskEngine(Engine):
 
     name: ClassVar[str] = "disk"
     local: ClassVar[bool] = True
+    #: a save's keys reach the store together: it packs them into write buffers, many
+    #: records per I/O (``DiskStore.write_batch``)
+    batch_writes: ClassVar[bool] = True
 
     def __init__(self, config: DiskConfig, pool_capacity_bytes: int,
                  events: Optional[TierEvents] = None) -> None:
@@ -151,14 +156,19 @@ class DiskEngine(Engine):
         return _READ.get(result, ReadOutcome.MISS)
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
-        result = self.store.write(tenant.name, source.key, source.memory)
-        if result is WriteResult.WRITTEN:
-            if self.events is not None:
-                self.events.tier_stored(tenant.name, [source.key], MEDIUM)
-            return WRITTEN
-        if result is WriteResult.EXISTS:
-            return WRITTEN
-        return Written(False, result.value, _WARN.get(result))
+        return self.write_batch(tenant, [source], deadline)[0]
+
+    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
+                    deadline: Optional[float]) -> list[Written]:
+        """The sources packed into the store's write buffers; ``BlockStored`` for the
+        keys whose batch's write returned (the meaning of WRITTEN, as for one record)."""
+        results = self.store.write_batch(tenant.name, [(s.key, s.memory) for s in sources])
+        if self.events is not None:
+            stored = [s.key for s, r in zip(sources, results) if r is WriteResult.WRITTEN]
+            if stored:
+                self.events.tier_stored(tenant.name, stored, MEDIUM)
+        return [WRITTEN if r in (WriteResult.WRITTEN, WriteResult.EXISTS)
+                else Written(False, r.value, _WARN.get(r)) for r in results]
 
     def _removed(self, tenant: str, keys: Sequence[str]) -> None:
         assert self.events is not None
