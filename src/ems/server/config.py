@@ -240,6 +240,9 @@ class DiskConfig:
     queue_bytes: int = setting(
         "bytes of writes waiting at most (past it a save is not written: counted)", Size(),
         default=1 << 30, key="queue")
+    write_buffer_bytes: int = setting(
+        "bytes of values packed into one write (one pwritev, one batch head; a multiple "
+        "of 4096, below 4G)", Size(), default=4 << 20, key="write_buffer")
     quotas_bytes: Mapping[str, int] = table(
         "a tenant's disk bytes", Size(), key="quotas", check_key=_disk_tenant,
         shown="its share of the pool's capacity, of the disk's")
@@ -249,6 +252,9 @@ class DiskConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "disk.")
+        if self.write_buffer_bytes % 4096 or self.write_buffer_bytes >= 1 << 32:
+            raise invalid(f"disk.write_buffer must be a multiple of 4096 below 4G, got "
+                          f"{self.write_buffer_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)

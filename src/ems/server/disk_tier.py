@@ -114,7 +114,7 @@ class DiskEngine(Engine):
             path=config.path, capacity_bytes=config.capacity_bytes,
             checkpoint_s=config.checkpoint_s,
             write_budget_bytes_per_day=config.write_budget_bytes_per_day,
-            io_delay_s=config.io_delay_ms / 1000),
+            write_buffer_bytes=config.write_buffer_bytes, io_delay_s=config.io_delay_ms / 1000),
             on_removed=None if events is None else self._removed)
         self.store.open()  # recovery runs in the background from here
         self.admission = SecondHit() if config.admission == "second-hit" else AdmitAll()
