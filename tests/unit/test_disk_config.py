@@ -53,6 +53,7 @@ def test_file_then_environment_then_flags(tmp_path):
     ('[disk]\npath = "/d"\nadmission = "sometimes"\n', "disk.admission"),
     ('[disk]\npath = "/d"\nio_threads = 0\n', "disk.io_threads"),
     ('[disk]\npath = "/d"\nbogus = 1\n', "bogus"),
+    ('[disk]\npath = "/d"\nwrite_buffer = 5000\n', "disk.write_buffer"),
     ('[disk]\npath = "/d"\n[disk.quotas]\n"team-a" = "lots"\n', "disk.quotas.team-a"),
     ('disk = "/d"\n', "disk must be a table"),
 ])
