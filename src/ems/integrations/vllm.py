@@ -204,6 +204,19 @@ class _Plan:
     write_out: Optional[bool] = None  # its saves' write_out; None: not read yet
 
 
+def _timed(hook: Any) -> Any:
+    """Count the time the engine spends in ``hook`` (``hooks_s``: the connector's share of
+    the engine's critical path; the saves themselves run beside it)."""
+    @functools.wraps(hook)
+    def timed(self: "EmsConnector", *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._counters.add(hooks_s=time.perf_counter() - t0)
+    return timed
+
+
 class EmsConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring."""
 
@@ -243,6 +256,8 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         # (its blocks are never vLLM's null block)
         self._ident_group = self._kinds.index("full") if "full" in self._kinds else 0
         self._ident: Optional[torch.Tensor] = None  # the worker's identity pages
+        # the engine's CUDA device (set by register_kv_caches; None: CPU)
+        self._cuda_device: Optional[torch.device] = None
         if (role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy == "fail"
                 and self.settings.load_failure_policy == "recompute"):
             # vLLM reads the policy after building the connector: a pool miss or a
@@ -418,6 +433,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
             return []
         return [event_hash(bh[(i + 1) * s - 1]) for i in range(a, b)]
 
+    @_timed  # hooks_s
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
         """Leading whole blocks after vLLM's own hit that the pool holds. A pool object
@@ -451,6 +467,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookups[request.request_id] = (first, hits, now)
         return hits * bs, self._hybrid and hits > 0
 
+    @_timed  # hooks_s
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         plan = self._plans.setdefault(request.request_id, _Plan(request))
@@ -467,6 +484,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
             plan.block_ids = [list(ids) for ids in blocks.get_block_ids()]
             self._async_loads.append(request.request_id)
 
+    @_timed  # hooks_s
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"
                              ) -> KVConnectorMetadata:
         meta = EmsConnectorMetadata()
@@ -576,6 +594,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                     plan.saved_upto = i
                     break
 
+    @_timed  # hooks_s
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -590,12 +609,14 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(plan is not None and plan.has_saves), None
 
     # ------------------------------------------------------------ worker side
+    @_timed  # hooks_s
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are freed at once: its saves must be done first.
         for req_id in getattr(kv_connector_metadata, "preempted", ()):
             for fut in self._saves.get(req_id, ()):
                 fut.result()
 
+    @_timed  # hooks_s
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, EmsConnectorMetadata) or not meta.loads:
@@ -637,6 +658,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                       **kwargs: Any) -> None:
         return  # wait_for_save saves every layer of a block at once
 
+    @_timed  # hooks_s
     def wait_for_save(self) -> None:
         """Submit the step's saves. With a windowed group (sliding window), wait until
         they are copied: vLLM frees a block once it leaves the window, at the next
@@ -646,7 +668,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
             return
-        device = getattr(self, "_cuda_device", None)
+        device = self._cuda_device
         bs = self.block_size
         submitted = []
         for t in meta.saves:
@@ -679,6 +701,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         self._counters.add(tokens_saved=ok * bs, tokens_save_failed=(n - ok) * bs,
                            save_s=time.perf_counter() - start)
 
+    @_timed  # hooks_s
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:
         self._finishing.update(r for r in finished_req_ids if r in self._saves)
@@ -746,23 +769,3 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
                     s.tokens_saved, s.tokens_save_failed, s.lookup_s, s.load_s, s.save_s,
                     s.hooks_s,
                     self._session.state.value, s.failures)
-
-
-def _timed(hook: Any) -> Any:
-    """Count the time the engine spends in ``hook`` (``hooks_s``: the connector's share of
-    the engine's critical path; the saves themselves run beside it)."""
-    @functools.wraps(hook)
-    def timed(self: EmsConnector, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return hook(self, *args, **kwargs)
-        finally:
-            self._counters.add(hooks_s=time.perf_counter() - t0)
-    return timed
-
-
-for _name in ("get_num_new_matched_tokens", "update_state_after_alloc",
-              "build_connector_meta", "request_finished", "handle_preemptions",
-              "start_load_kv", "wait_for_save", "get_finished"):
-    setattr(EmsConnector, _name, _timed(getattr(EmsConnector, _name)))
-del _name
