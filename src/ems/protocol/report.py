@@ -10,11 +10,16 @@ own definition; ``tests/unit/test_protocol_connection.py`` pins the two equal).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import typing
+from typing import Any, TypeVar, Union
 
 from ems.errors import EmsErrorCode, EmsException
 
-__all__ = ["PoolStatistics", "pool_statistics"]
+__all__ = ["DaemonReport", "PoolStatistics", "ServerRow", "TenantRow", "Wire",
+           "WireRow", "pool_statistics"]
+
+#: what crosses the wire: msgpack's tree of maps, lists and scalars
+Wire = Union[None, bool, int, float, str, list["Wire"], dict[str, "Wire"]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +93,134 @@ def pool_statistics(row: Any) -> PoolStatistics:
                                f"got {v!r}")
         values[f.name] = v
     return PoolStatistics(**values)
+
+
+R = TypeVar("R", bound="WireRow")
+
+
+def _to_wire(v: object) -> Wire:
+    if isinstance(v, WireRow):
+        return v.to_wire()
+    if isinstance(v, dict):
+        return {str(k): _to_wire(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_to_wire(x) for x in v]
+    assert v is None or isinstance(v, (bool, int, float, str)), v
+    return v
+
+
+class WireRow:
+    """A frozen dataclass row whose wire form (a map, one key per field, the field's
+    name) is generated from its fields: a new counter is a new field with a default,
+    and both ends know it. ``from_wire`` takes a row without the newer fields (an
+    older daemon's) at their defaults and ignores keys it does not know (a newer
+    daemon's); a field of the wrong type is ``EMS_PROTOCOL_ERROR`` naming it."""
+
+    def to_wire(self) -> dict[str, Wire]:
+        return {f.name: _to_wire(getattr(self, f.name))
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_wire(cls: type[R], row: Wire) -> R:
+        if type(row) is not dict:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               f"a {cls.__name__} must be a map, got {type(row).__name__}")
+        hints = typing.get_type_hints(cls)
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in row:
+                values[f.name] = _from_wire(hints[f.name], row[f.name],
+                                            f"{cls.__name__}.{f.name}")
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               f"{cls.__name__}: {exc}") from exc
+
+
+def _from_wire(kind: Any, v: Wire, where: str) -> object:
+    origin = typing.get_origin(kind)
+    if isinstance(kind, type) and issubclass(kind, WireRow):
+        return kind.from_wire(v)
+    if origin is dict:
+        _, value_kind = typing.get_args(kind)
+        if type(v) is not dict:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR, f"{where} must be a map")
+        return {k: _from_wire(value_kind, x, f"{where}[{k}]") for k, x in v.items()}
+    ok = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}.get(kind)
+    if ok is not None and (type(v) not in ok or (kind is not bool and type(v) is bool)):
+        raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                           f"{where} must be {kind.__name__}, got {v!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerRow(WireRow):
+    """The daemon itself (``report["server"]``)."""
+
+    pid: int = 0
+    version: str = ""
+    protocol: int = 0
+    socket: str = ""
+    uptime_s: float = 0.0
+    connections: int = 0
+    capacity_bytes: int = 0
+    anonymous: bool = False
+    #: named tenants
+    tenants: int = 0
+    reservation_ttl_s: float = 0.0
+    spin_us: int = 0
+    limits: dict[str, Wire] = dataclasses.field(default_factory=dict)
+    #: requests and connections refused, by limit
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    buffered_bytes: int = 0
+    accepting: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantRow(PoolStatistics, WireRow):
+    """One tenant's pool, its connections and its rows in each tier (by tier name).
+    ``hit_rate`` is :attr:`PoolStatistics.hit_rate`, the one definition, sent on the
+    wire for readers of the dict."""
+
+    connections: int = 0
+    quota_bytes: int = 0
+    source: str = ""
+    tiers: dict[str, Wire] = dataclasses.field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Wire]:
+        out = WireRow.to_wire(self)
+        out["hit_rate"] = self.hit_rate
+        if not self.tiers:
+            del out["tiers"]  # as before: the key only when a tier has a row
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonReport(WireRow):
+    """``Daemon.statistics()``: the server row, a row per tenant the caller may see,
+    and each tier's or observer's own report under its name (``parts``, flattened
+    into the wire map beside ``server`` and ``tenants`` as before)."""
+
+    server: ServerRow = dataclasses.field(default_factory=ServerRow)
+    tenants: dict[str, TenantRow] = dataclasses.field(default_factory=dict)
+    parts: dict[str, Wire] = dataclasses.field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Wire]:
+        out: dict[str, Wire] = {"server": self.server.to_wire(),
+                                "tenants": {k: t.to_wire() for k, t in self.tenants.items()}}
+        out.update(self.parts)
+        return out
+
+    @classmethod
+    def from_wire(cls, row: Wire) -> DaemonReport:
+        if type(row) is not dict:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               f"a DaemonReport must be a map, got {type(row).__name__}")
+        tenants = row.get("tenants", {})
+        if type(tenants) is not dict:
+            raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                               "DaemonReport.tenants must be a map")
+        return cls(server=ServerRow.from_wire(row.get("server", {})),
+                   tenants={k: TenantRow.from_wire(t) for k, t in tenants.items()},
+                   parts={k: v for k, v in row.items() if k not in ("server", "tenants")})

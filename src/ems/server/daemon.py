@@ -59,6 +59,7 @@ from ems.protocol import PROTOCOL_VERSION
 from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
 from ems.protocol.framing import DecodeLimitExceeded
+from ems.protocol.report import DaemonReport, ServerRow, TenantRow
 from ems.server.config import Limits, ServerConfig
 from ems.server.handlers import Handlers
 from ems.server.listener import Listener, ListenError
@@ -660,52 +661,42 @@ class Daemon:
 
     # ------------------------------------------------------------ statistics
     def report(self, conn: Optional[Session] = None, all_tenants: bool = True) -> dict[str, Any]:
+        """The wire form of :meth:`statistics` (``StatsReply.stats``)."""
+        return self.statistics(conn, all_tenants).to_wire()
+
+    def statistics(self, conn: Optional[Session] = None,
+                   all_tenants: bool = True) -> DaemonReport:
         """Counters of the daemon and of each tenant (an admin sees every tenant,
-        a tenant only itself)."""
+        a tenant only itself), typed (:mod:`ems.protocol.report`)."""
         if conn is None or (conn.admin and all_tenants):
             tenants = list(self.registry)
         else:
             tenants = [conn.tenant] if conn.tenant is not None else []
         from ems._version import __version__
-        out: dict[str, Any] = {
-            "server": {
-                "pid": os.getpid(),
-                "version": __version__,
-                "protocol": PROTOCOL_VERSION,
-                "socket": self.path,
-                "uptime_s": round(time.monotonic() - self._started, 3),
-                "connections": len(self._conns),
-                "capacity_bytes": self.config.capacity_bytes,
-                "anonymous": self.registry.anonymous is not None,
-                "tenants": len(self.registry.named()),
-                "reservation_ttl_s": self.config.reservation_ttl_s,
-                "spin_us": self.config.spin_us,
-                "limits": dataclasses.asdict(self.limits),
-                "refused": dict(self.refused),
-                "buffered_bytes": self._buffered,
-                "accepting": not self._listener.paused_until,
-            },
-            "tenants": {},
-        }
+        server = ServerRow(
+            pid=os.getpid(), version=__version__, protocol=PROTOCOL_VERSION,
+            socket=self.path, uptime_s=round(time.monotonic() - self._started, 3),
+            connections=len(self._conns), capacity_bytes=self.config.capacity_bytes,
+            anonymous=self.registry.anonymous is not None,
+            tenants=len(self.registry.named()),
+            reservation_ttl_s=self.config.reservation_ttl_s, spin_us=self.config.spin_us,
+            limits=dataclasses.asdict(self.limits), refused=dict(self.refused),
+            buffered_bytes=self._buffered, accepting=not self._listener.paused_until)
+        rows: dict[str, TenantRow] = {}
         for t in tenants:
-            st = t.pool.statistics()
-            row = dataclasses.asdict(st)
-            row["hit_rate"] = st.hit_rate
-            row["connections"] = t.connections
-            row["quota_bytes"] = t.quota_bytes
-            row["source"] = t.source
-            tiers = {}
+            tiers: dict[str, Any] = {}  # the tiers' rows are not typed yet
             for tier in self.tiers:  # this tenant's lookups and writes there
                 tier_row = tier.tenant_report(t)
                 if tier_row is not None:
                     tiers[tier.name] = tier_row
-            if tiers:
-                row["tiers"] = tiers
-            out["tenants"][t.name] = row
-        parts: list[Tier | Observer] = [*self.tiers, *self.observers]
-        for part in parts:
+            rows[t.name] = TenantRow(**dataclasses.asdict(t.pool.statistics()),
+                                     connections=t.connections, quota_bytes=t.quota_bytes,
+                                     source=t.source, tiers=tiers)
+        parts: dict[str, Any] = {}
+        members: list[Tier | Observer] = [*self.tiers, *self.observers]
+        for part in members:
             part_report = part.report()
             if part_report is not None:
-                out[part.name] = part_report
-        return out
+                parts[part.name] = part_report
+        return DaemonReport(server=server, tenants=rows, parts=parts)
 
