@@ -69,6 +69,7 @@ from ems.server.tenants import Tenant, TenantRegistry
 from ems.server.tiers import Observer, Tier, TierEvents
 
 if TYPE_CHECKING:
+    from ems.server.control_sync import ControlSync
     from ems.server.kv_events import KvEventPublisher
 
 __all__ = ["ALLOCATOR_BROKEN", "Daemon", "DaemonError"]
@@ -112,6 +113,9 @@ class Daemon:
         self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
         #: called on the loop: after a :meth:`wake` / at each tick (control sync, metrics)
         self.wake_hooks: list[Callable[[], None]] = []
+        #: the control plane's sync, when ``--control`` is set (it registers itself:
+        #: ``/metrics`` shows its families)
+        self.control_sync: Optional["ControlSync"] = None
         self.tick_hooks: list[Callable[[], None]] = []
         self.limits: Limits = config.limits
         #: refusals by limit name (``ems stats``: server.refused)

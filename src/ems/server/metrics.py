@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -88,6 +88,9 @@ from prometheus_client.registry import Collector
 
 from ems.errors import invalid
 from ems.server.snapshots import LoopSnapshots
+
+if TYPE_CHECKING:
+    from ems.server.daemon import Daemon
 
 __all__ = ["BUCKETS_S", "MetricsExporter"]
 
@@ -129,7 +132,7 @@ class _Latency:
 
 
 class _Collector(Collector):
-    def __init__(self, daemon: Any, snapshots: LoopSnapshots, latency: _Latency) -> None:
+    def __init__(self, daemon: "Daemon", snapshots: LoopSnapshots, latency: _Latency) -> None:
         self._daemon = daemon
         self._snapshots = snapshots
         self._latency = latency
@@ -139,7 +142,7 @@ class _Collector(Collector):
         if report is not None:
             yield from self._pool_families(report)
         yield from self._latency_family()
-        sync = getattr(self._daemon, "control_sync", None)
+        sync = self._daemon.control_sync
         if sync is not None:
             yield from _control_families(sync)
 
