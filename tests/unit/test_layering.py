@@ -3,7 +3,8 @@ instead of waiting for a reviewer):
 
 * ``protocol`` imports nothing of ours but ``errors``;
 * ``pool`` imports nothing of ours;
-* ``client`` never imports ``server``, ``server`` never imports ``client``;
+* ``client`` never imports ``server``, ``server`` never imports ``client``, nor
+  ``control`` (the sealing both share is ``ems.sealing``, which imports only ``errors``);
 * of the client, only the embedded transport imports ``pool`` (it runs the pool core
   in-process); the daemon's client shares only ``protocol`` with the daemon;
 * ``cluster`` imports neither ``client`` nor ``server``;
@@ -79,6 +80,11 @@ def _violations() -> list[str]:
                 bad.append(f"{module} imports {target}: only the embedded pool runs the core")
             if area == "server" and to == "client":
                 bad.append(f"{module} imports {target}: the daemon never imports the client")
+            if area == "server" and to == "control":
+                bad.append(f"{module} imports {target}: the daemon never imports the control "
+                           f"plane (shared sealing lives in ems.sealing)")
+            if area == "sealing" and to not in ("sealing", "errors"):
+                bad.append(f"{module} imports {target}: sealing may import only errors")
             if area == "disk" and to not in ("disk", "errors"):
                 bad.append(f"{module} imports {target}: the disk store is a pure engine")
             if area == "settings" and to not in ("settings", "errors"):

@@ -98,7 +98,7 @@ class ControlSync:
     """The registry thread of one daemon (see the module docstring)."""
 
     def __init__(self, config: ServerConfig, daemon: Any) -> None:
-        from ems.control.keys import read_secret_file, transport_sealer
+        from ems.sealing import read_secret_file, transport_sealer
         assert config.control and config.control_token_file
         self.config = config
         self.daemon = daemon
