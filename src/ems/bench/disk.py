@@ -44,11 +44,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import mmap
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -58,8 +56,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ems.bench import procs
-from ems.bench.report import commit, machine, write_json
+from ems.bench.report import guarded_run, write_json
 from ems.bench.systems import EmsDaemon, EmsSystem, touched
 from ems.client.remote import server_report
 from ems.config import PoolSettings
@@ -516,26 +513,12 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     base = args.disk_dir or args.out
     os.makedirs(base, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    t0 = time.monotonic()
-    load0 = os.getloadavg()[0]  # other processes' CPU demand: this bench needs CPUs too
-    restore = procs.install_signal_handlers()
     root = Path(tempfile.mkdtemp(dir=base, prefix=".ems-bench-disk-"))
-    try:
-        results = run(root, args.disk_mib, args.disk_shm_mib, args.disk_records,
-                      args.disk_scan, args.disk_reps)
-    except KeyboardInterrupt:
-        print("ems bench: interrupted; every process it started was stopped",
-              file=sys.stderr)
+    data = guarded_run(str(root), argv, lambda: run(
+        root, args.disk_mib, args.disk_shm_mib, args.disk_records, args.disk_scan,
+        args.disk_reps))
+    if data is None:
         return 130
-    finally:
-        procs.stop_all()
-        restore()
-        shutil.rmtree(root, ignore_errors=True)
-    data = {"schema": 1, "date": started.isoformat(timespec="seconds"),
-            "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
-            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
-            "ems": commit(), "argv": list(argv), **results}
     path = os.path.join(args.out, "bench-disk.json")
     write_json(path, data)
     print(f"wrote {path} ({data['elapsed_s']:.0f} s)")

@@ -15,14 +15,18 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
-from typing import Any, Optional
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ems.bench.workloads import Context, Latency, Row
 
-__all__ = ["limit_ratio", "ratio", "targets", "table", "to_json", "machine", "commit"]
+__all__ = ["limit_ratio", "ratio", "targets", "table", "to_json", "machine", "commit",
+           "guarded_run"]
 
 _LIMITS = ("copy-nt", "copy-glibc")
 
@@ -244,3 +248,33 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")
+
+
+def guarded_run(work_dir: str, argv: Sequence[str],
+                body: Callable[[], dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Run one ``ems bench`` mode's ``body`` with the signal handlers that stop every
+    process it starts, then stop them and remove ``work_dir`` whatever happened.
+
+    Returns the run's JSON: the header every mode shares (``schema``, ``date``,
+    ``elapsed_s``, ``machine``, ``loadavg`` at start and end -- other processes' CPU
+    demand, which the figures depend on --, ``ems``, ``argv``) and ``body``'s results;
+    None when interrupted (said on stderr; the caller exits 130)."""
+    from ems.bench import procs
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
+    restore = procs.install_signal_handlers()
+    try:
+        results = body()
+    except KeyboardInterrupt:
+        print("ems bench: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return None
+    finally:
+        procs.stop_all()
+        restore()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return {"schema": 1, "date": started.isoformat(timespec="seconds"),
+            "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
+            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
+            "ems": commit(), "argv": list(argv), **results}

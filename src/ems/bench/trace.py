@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import os
 import shutil
@@ -57,8 +56,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ems import KvBufferWrapper
-from ems.bench import procs
-from ems.bench.report import commit, machine, write_json
+from ems.bench.report import guarded_run, write_json
 from ems.bench.systems import EmsDaemon, EmsSystem, Unavailable, touched
 from ems.bench.trace_sim import Trace, belady, infinite, load_trace, lru
 from ems.errors import EmsException
@@ -494,31 +492,20 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise SystemExit(f"ems bench: {exc}") from None
     json_path = args.json or os.path.join(args.out, "bench-trace.json")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    t0 = time.monotonic()
-    load0 = os.getloadavg()[0]  # other processes' CPU demand: latencies depend on it
-    restore = procs.install_signal_handlers()
     work_dir = tempfile.mkdtemp(prefix="ems-bench-trace-")
     problems: list[dict[str, str]] = []
-    results = []
-    try:
+    results: list[dict[str, Any]] = []
+
+    def body() -> dict[str, Any]:
         for path, trace in traces:
             results.append(run_trace(path, trace, capacities, kinds, values, work_dir,
                                      problems))
-    except KeyboardInterrupt:
-        print("ems bench: interrupted; every process it started was stopped",
-              file=sys.stderr)
+        return {"block_bytes": values.block_bytes, "capacities": capacities,
+                "systems": [SYSTEMS[k] for k in kinds], "probe_blocks": PROBE_BLOCKS,
+                "traces": results, "problems": problems}
+    data = guarded_run(work_dir, argv, body)
+    if data is None:
         return 130
-    finally:
-        procs.stop_all()
-        restore()
-        shutil.rmtree(work_dir, ignore_errors=True)
-    data = {"schema": 1, "date": started.isoformat(timespec="seconds"),
-            "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
-            "loadavg": {"start": load0, "end": os.getloadavg()[0]},
-            "ems": commit(), "argv": list(argv), "block_bytes": values.block_bytes,
-            "capacities": capacities, "systems": [SYSTEMS[k] for k in kinds],
-            "probe_blocks": PROBE_BLOCKS, "traces": results, "problems": problems}
     write_json(json_path, data)
     print(table(data))
     print(f"\nwrote {json_path} ({data['elapsed_s']:.0f} s)")
