@@ -250,10 +250,11 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def guarded_run(work_dir: str, argv: Sequence[str],
+def guarded_run(work_dir: Optional[str], argv: Sequence[str],
                 body: Callable[[], dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Run one ``ems bench`` mode's ``body`` with the signal handlers that stop every
-    process it starts, then stop them and remove ``work_dir`` whatever happened.
+    process it starts, then stop them and remove ``work_dir`` (if any) whatever
+    happened.
 
     Returns the run's JSON: the header every mode shares (``schema``, ``date``,
     ``elapsed_s``, ``machine``, ``loadavg`` at start and end -- other processes' CPU
@@ -273,7 +274,8 @@ def guarded_run(work_dir: str, argv: Sequence[str],
     finally:
         procs.stop_all()
         restore()
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
     return {"schema": 1, "date": started.isoformat(timespec="seconds"),
             "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
             "loadavg": {"start": load0, "end": os.getloadavg()[0]},

@@ -201,15 +201,21 @@ class EmsDaemon:
 
 
 @contextlib.contextmanager
-def ems_pool(pool: str, capacity_bytes: int, prefix: str = "ems-") -> Iterator["EmsSystem"]:
+def ems_pool(pool: str, capacity_bytes: int, prefix: str = "ems-",
+             disk_bytes: Optional[int] = None) -> Iterator["EmsSystem"]:
     """An :class:`EmsSystem` on the embedded pool (``pool`` "embedded") or through a
-    fresh ems-server in a temp dir ("daemon"): the profiling scripts' set-up; the
-    system, the daemon and the dir are gone afterwards."""
+    fresh ems-server in a temp dir ("daemon"; with ``disk_bytes``, its disk tier of that
+    size in the same dir, checkpointed every 60 s): the profiling scripts' and the trace
+    replay's set-up; the system, the daemon and the dir are gone afterwards."""
     tmp = tempfile.mkdtemp(prefix=prefix)
     daemon = None
     try:
         if pool == "daemon":
-            daemon = EmsDaemon(os.path.join(tmp, "ems"), capacity_bytes, tmp)
+            extra = [] if disk_bytes is None else [
+                "--disk", os.path.join(tmp, "disk"), "--disk-capacity", str(disk_bytes),
+                "--disk-checkpoint-s", "60"]
+            daemon = EmsDaemon(os.path.join(tmp, "ems"), capacity_bytes, tmp,
+                               extra_args=extra)
             system = EmsSystem("daemon", capacity_bytes, socket_dir=daemon.socket_dir)
         else:
             system = EmsSystem("embedded", capacity_bytes)

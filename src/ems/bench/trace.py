@@ -47,17 +47,15 @@ import contextlib
 import dataclasses
 import gc
 import os
-import shutil
 import sys
-import tempfile
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ems import KvBufferWrapper
 from ems.bench.report import guarded_run, write_json
-from ems.bench.systems import EmsDaemon, EmsSystem, Unavailable, touched
+from ems.bench.systems import EmsSystem, Unavailable, ems_pool, touched
 from ems.bench.trace_sim import Trace, belady, infinite, load_trace, lru
 from ems.errors import EmsException
 
@@ -272,36 +270,12 @@ def _wrappers(rows: np.ndarray) -> list[list[KvBufferWrapper]]:
 
 # ----------------------------------------------------------------------- systems
 
-@contextlib.contextmanager
-def _system(kind: str, capacity_bytes: int, disk_bytes: int, work_dir: str
-            ) -> Iterator[EmsSystem]:
-    """One empty system of ``capacity_bytes`` (and its daemon), stopped afterwards."""
-    if kind == "embedded":
-        system = EmsSystem("embedded", capacity_bytes)
-        try:
-            yield system
-        finally:
-            system.close()
-        return
-    sock = tempfile.mkdtemp(prefix="ems-trace-")  # a short unix socket path
-    extra: list[str] = []
-    disk_dir = os.path.join(work_dir, "disk")
-    if kind == "disk":
-        extra = ["--disk", disk_dir, "--disk-capacity", str(disk_bytes),
-                 "--disk-checkpoint-s", "60"]
-    daemon = None
-    try:
-        daemon = EmsDaemon(sock, capacity_bytes, work_dir, extra_args=extra)
-        system = EmsSystem("daemon", capacity_bytes, socket_dir=sock)
-        try:
-            yield system
-        finally:
-            system.close()
-    finally:
-        if daemon is not None:
-            daemon.close()
-        shutil.rmtree(sock, ignore_errors=True)
-        shutil.rmtree(disk_dir, ignore_errors=True)
+def _system(kind: str, capacity_bytes: int, disk_bytes: int
+            ) -> contextlib.AbstractContextManager[EmsSystem]:
+    """One empty system of ``capacity_bytes`` (and its daemon, and with ``kind`` "disk"
+    its disk tier of ``disk_bytes``), stopped afterwards."""
+    return ems_pool("embedded" if kind == "embedded" else "daemon", capacity_bytes,
+                    prefix="ems-trace-", disk_bytes=disk_bytes if kind == "disk" else None)
 
 
 def _disk_bytes(trace: Trace, block_bytes: int) -> int:
@@ -360,7 +334,7 @@ def _systems(text: str) -> list[str]:
 
 
 def run_trace(path: str, trace: Trace, capacities: Sequence[int], kinds: Sequence[str],
-              values: BlockValues, work_dir: str, problems: list[dict[str, str]]
+              values: BlockValues, problems: list[dict[str, str]]
               ) -> dict[str, Any]:
     """Every capacity of one trace: the simulations, then each system's replay."""
     bb = values.block_bytes
@@ -379,7 +353,7 @@ def run_trace(path: str, trace: Trace, capacities: Sequence[int], kinds: Sequenc
         for kind in kinds:
             name = SYSTEMS[kind]
             try:
-                with _system(kind, cap * bb, _disk_bytes(trace, bb), work_dir) as system:
+                with _system(kind, cap * bb, _disk_bytes(trace, bb)) as system:
                     r = replay(system, trace, values, cap * bb, name)
             except (Unavailable, EmsException, RuntimeError) as exc:
                 problems.append({"trace": out["name"], "capacity_blocks": str(cap),
@@ -492,18 +466,16 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise SystemExit(f"ems bench: {exc}") from None
     json_path = args.json or os.path.join(args.out, "bench-trace.json")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    work_dir = tempfile.mkdtemp(prefix="ems-bench-trace-")
     problems: list[dict[str, str]] = []
     results: list[dict[str, Any]] = []
 
     def body() -> dict[str, Any]:
         for path, trace in traces:
-            results.append(run_trace(path, trace, capacities, kinds, values, work_dir,
-                                     problems))
+            results.append(run_trace(path, trace, capacities, kinds, values, problems))
         return {"block_bytes": values.block_bytes, "capacities": capacities,
                 "systems": [SYSTEMS[k] for k in kinds], "probe_blocks": PROBE_BLOCKS,
                 "traces": results, "problems": problems}
-    data = guarded_run(work_dir, argv, body)
+    data = guarded_run(None, argv, body)
     if data is None:
         return 130
     write_json(json_path, data)
