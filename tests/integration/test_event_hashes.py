@@ -61,142 +61,154 @@ def test_event_hashes_are_checked(v1cc):
         v1cc.load(hashes=[1], chunk_descs=_chunks([0]), option=opt, event_hashes=[1])
 
 
-def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env):
+class _Subscriber:
+    """A ZeroMQ SUB on a daemon's KV events (``tcp://127.0.0.1:port``, topics ``kv@``):
+    :meth:`join` saves one warm-up block at a time until the first batch arrives (a SUB
+    joins late), :meth:`drain` hands each batch (its topic, sequence number and events)
+    to ``seen`` until ``until()`` or the bounded wait ends."""
+
+    def __init__(self, zmq, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+
+    def join(self, cc, opt) -> None:
+        for warm in range(50):
+            assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
+                           event_hashes=[9000 + warm]).success == 1
+            if self.poller.poll(200):
+                return
+
+    def drain(self, until, seen, timeout_s: float) -> None:
+        from ems.server.kv_events import decode_batch
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not until():
+            if not self.poller.poll(200):
+                continue
+            topic, seq, payload = self.sub.recv_multipart()
+            seen(topic, int.from_bytes(seq, "big"), decode_batch(payload)[1])
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def subscriber():
+    """``subscriber(port)``: a :class:`_Subscriber`, closed after the test."""
+    zmq = pytest.importorskip("zmq")
+    made: list[_Subscriber] = []
+
+    def make(port: int) -> _Subscriber:
+        made.append(_Subscriber(zmq, port))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env, subscriber):
     """``ems-server --kv-events``: a V1 save with the engine's hashes -> ``BlockStored``
     of exactly those hashes (medium CPU, ownership ems-shm, the key space in the
     topic); the blocks evicted from shared memory -> ``BlockRemoved`` of theirs; one
     ``AllBlocksCleared`` at start; sequence numbers increase."""
-    zmq = pytest.importorskip("zmq")
     from support.control_support import free_port
-
-    from ems.server.kv_events import decode_batch
     port = free_port()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub = subscriber(port)
+    server = make_server(capacity="2M", extra_args=[
+        "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-e"])
+    client_env(server)
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
     try:
-        server = make_server(capacity="2M", extra_args=[
-            "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-e"])
-        client_env(server)
-        Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
-        try:
-            cc = Ems.get_cc()
-            cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
-            opt = CcKvOption(timeout=5000)
-            poller = zmq.Poller()
-            poller.register(sub, zmq.POLLIN)
-            for warm in range(50):  # until the subscription is up (a SUB joins late)
-                assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
-                               event_hashes=[9000 + warm]).success == 1
-                if poller.poll(200):
-                    break
-            first = list(range(1000, 1040))  # 40 x 16 KiB
-            assert cc.save(hashes=list(range(40)), chunk_descs=_chunks(range(40)),
-                           option=opt, event_hashes=first).success == 40
-            # 200 more blocks (3.1 MiB) through a 2 MiB pool: the first ones are evicted
-            for j in range(5):
-                hs = list(range(100 + 40 * j, 140 + 40 * j))
-                assert cc.save(hashes=hs, chunk_descs=_chunks(range(40)), option=opt,
-                               event_hashes=[h + 5000 for h in hs]).success == 40
-        finally:
-            Ems.finalize()
-        stored: list[int] = []
-        removed: list[int] = []
-        seqs: list[int] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (set(first) <= set(removed)):
-            if not poller.poll(200):
-                continue
-            topic, seq, payload = sub.recv_multipart()
-            seqs.append(int.from_bytes(seq, "big"))
-            for event in decode_batch(payload)[1]:
-                if event["type"] == "BlockStored":
-                    assert topic.startswith(b"kv@host-e@(anonymous)@")
-                    assert (event["medium"], event["ownership"]) == ("CPU", "ems-shm")
-                    stored += event["block_hashes"]
-                elif event["type"] == "BlockRemoved":
-                    removed += event["block_hashes"]
-        assert set(first) <= set(stored)  # every hash the engine sent
-        assert set(first) <= set(removed)  # and evicted from shared memory: removed
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-        report = server.stats()["kv_events"]
-        assert report["published_events"] >= 2 and report["dropped_batches"] == 0
+        cc = Ems.get_cc()
+        cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+        opt = CcKvOption(timeout=5000)
+        sub.join(cc, opt)
+        first = list(range(1000, 1040))  # 40 x 16 KiB
+        assert cc.save(hashes=list(range(40)), chunk_descs=_chunks(range(40)),
+                       option=opt, event_hashes=first).success == 40
+        # 200 more blocks (3.1 MiB) through a 2 MiB pool: the first ones are evicted
+        for j in range(5):
+            hs = list(range(100 + 40 * j, 140 + 40 * j))
+            assert cc.save(hashes=hs, chunk_descs=_chunks(range(40)), option=opt,
+                           event_hashes=[h + 5000 for h in hs]).success == 40
     finally:
-        sub.close(0)
-        ctx.term()
+        Ems.finalize()
+    stored: list[int] = []
+    removed: list[int] = []
+    seqs: list[int] = []
+
+    def seen(topic: bytes, seq: int, events) -> None:
+        seqs.append(seq)
+        for event in events:
+            if event["type"] == "BlockStored":
+                assert topic.startswith(b"kv@host-e@(anonymous)@")
+                assert (event["medium"], event["ownership"]) == ("CPU", "ems-shm")
+                stored.extend(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                removed.extend(event["block_hashes"])
+    sub.drain(lambda: set(first) <= set(removed), seen, 10.0)
+    assert set(first) <= set(stored)  # every hash the engine sent
+    assert set(first) <= set(removed)  # and evicted from shared memory: removed
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    report = server.stats()["kv_events"]
+    assert report["published_events"] >= 2 and report["dropped_batches"] == 0
 
 
-def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_env, tmp_path):
+def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_env, tmp_path,
+                                                          subscriber):
     """``ems-server --disk DIR --kv-events``: a save with hashes -> ``BlockStored`` in
     shared memory (CPU, ems-shm) and, once written to disk, on the disk (STORAGE,
     ems-disk); the disk's one region evicted to make room for more -> ``BlockRemoved``
     (STORAGE, ems-disk) of the hashes it held, while shared memory (large enough for
     everything) removes none."""
-    zmq = pytest.importorskip("zmq")
     from support.control_support import free_port
-
-    from ems.server.kv_events import decode_batch
     port = free_port()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    poller = zmq.Poller()
-    poller.register(sub, zmq.POLLIN)
+    sub = subscriber(port)
     got: dict[tuple[str, str], set[int]] = {}
 
-    def drain(until, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not until():
-            if not poller.poll(200):
-                continue
-            for event in decode_batch(sub.recv_multipart()[2])[1]:
-                if event["type"] in ("BlockStored", "BlockRemoved"):
-                    assert event["locality"] == "LOCAL"
-                    assert (event["medium"], event["ownership"]) in (
-                        ("CPU", "ems-shm"), ("STORAGE", "ems-disk"))
-                    got.setdefault((event["type"], event["ownership"]), set()).update(
-                        event["block_hashes"])
+    def seen(topic: bytes, seq: int, events) -> None:
+        for event in events:
+            if event["type"] in ("BlockStored", "BlockRemoved"):
+                assert event["locality"] == "LOCAL"
+                assert (event["medium"], event["ownership"]) in (
+                    ("CPU", "ems-shm"), ("STORAGE", "ems-disk"))
+                got.setdefault((event["type"], event["ownership"]), set()).update(
+                    event["block_hashes"])
 
     def of(kind: str, tier: str) -> set[int]:
         return got.get((kind, tier), set())
+    # two 64 MiB disk regions (one would leave the tenant's disk share, a little
+    # less than the disk, no region to evict while a write is in flight: refused)
+    server = make_server(capacity="256M", extra_args=[
+        "--disk", str(tmp_path / "disk"), "--disk-capacity", "128M",
+        "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-d"])
+    client_env(server)
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ed")))
     try:
-        # two 64 MiB disk regions (one would leave the tenant's disk share, a little
-        # less than the disk, no region to evict while a write is in flight: refused)
-        server = make_server(capacity="256M", extra_args=[
-            "--disk", str(tmp_path / "disk"), "--disk-capacity", "128M",
-            "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-d"])
-        client_env(server)
-        Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ed")))
-        try:
-            cc = Ems.get_cc()
-            cc.register_kvcache([[torch.randn(64, BS, 2, 32768)]])  # 1 MiB a block
-            opt = CcKvOption(timeout=5000)
-            for warm in range(50):  # until the subscription is up (a SUB joins late)
-                assert cc.save(hashes=[9000 + warm], chunk_descs=_chunks([0]), option=opt,
-                               event_hashes=[9000 + warm]).success == 1
-                if poller.poll(200):
-                    break
-            first = list(range(1000, 1032))  # 32 x 1 MiB
-            assert cc.save(hashes=list(range(32)), chunk_descs=_chunks(range(32)),
-                           option=opt, event_hashes=first).success == 32
-            drain(lambda: set(first) <= of("BlockStored", "ems-disk"))
-            assert set(first) <= of("BlockStored", "ems-shm")
-            assert set(first) <= of("BlockStored", "ems-disk")  # written to disk
-            assert not of("BlockRemoved", "ems-disk")
-            # 160 more blocks (160 MiB) fill the disk: its first region is evicted
-            for j in range(5):
-                hs = list(range(100 + 32 * j, 132 + 32 * j))
-                assert cc.save(hashes=hs, chunk_descs=_chunks(range(32)), option=opt,
-                               event_hashes=[h + 5000 for h in hs]).success == 32
-            drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"), 60.0)
-        finally:
-            Ems.finalize()
-        disk = server.stats()["disk"]
-        assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
-        assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
-        assert disk["regions_evicted"] >= 1
+        cc = Ems.get_cc()
+        cc.register_kvcache([[torch.randn(64, BS, 2, 32768)]])  # 1 MiB a block
+        opt = CcKvOption(timeout=5000)
+        sub.join(cc, opt)
+        first = list(range(1000, 1032))  # 32 x 1 MiB
+        assert cc.save(hashes=list(range(32)), chunk_descs=_chunks(range(32)),
+                       option=opt, event_hashes=first).success == 32
+        sub.drain(lambda: set(first) <= of("BlockStored", "ems-disk"), seen, 20.0)
+        assert set(first) <= of("BlockStored", "ems-shm")
+        assert set(first) <= of("BlockStored", "ems-disk")  # written to disk
+        assert not of("BlockRemoved", "ems-disk")
+        # 160 more blocks (160 MiB) fill the disk: its first region is evicted
+        for j in range(5):
+            hs = list(range(100 + 32 * j, 132 + 32 * j))
+            assert cc.save(hashes=hs, chunk_descs=_chunks(range(32)), option=opt,
+                           event_hashes=[h + 5000 for h in hs]).success == 32
+        sub.drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"), seen, 60.0)
     finally:
-        sub.close(0)
-        ctx.term()
+        Ems.finalize()
+    disk = server.stats()["disk"]
+    assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
+    assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
+    assert disk["regions_evicted"] >= 1
