@@ -16,7 +16,8 @@ import hmac
 import logging
 import os
 import secrets
-from typing import Iterable, Optional
+import time
+from typing import Callable, Iterable, Optional
 
 from ems.pool.core import Pool
 from ems.protocol import auth_mac
@@ -40,10 +41,11 @@ def _memfd_name(tenant: str) -> str:
 class Tenant:
     """A namespace's pool, memory and counters (owned by the daemon's loop)."""
 
-    def __init__(self, spec: TenantSpec, reservation_ttl_s: float) -> None:
+    def __init__(self, spec: TenantSpec, reservation_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.name = spec.name
-        self.pool = Pool(spec.quota_bytes, reservation_ttl_s=reservation_ttl_s)
+        self.pool = Pool(spec.quota_bytes, reservation_ttl_s=reservation_ttl_s, clock=clock)
         self.segment_size = self.pool.capacity_bytes
         # A random id: segments of a restarted daemon never look like the old ones.
         self.segment_id = secrets.randbits(48)
