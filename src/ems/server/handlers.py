@@ -73,8 +73,11 @@ class Handlers:
     """The tenant requests of every session (on the event loop)."""
 
     def __init__(self, limits: Limits, tiers: Sequence[Tier], output: Output,
-                 refused: collections.Counter, observers: Sequence[Observer] = ()) -> None:
+                 refused: collections.Counter, observers: Sequence[Observer] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
+        #: monotonic seconds; the daemon's, or a test's ``ems.testing.clock.FakeClock``
+        self._clock = clock
         self.tiers = list(tiers)
         self._local_tiers = [t for t in self.tiers if t.local]
         #: told of new objects: the observers first (KV events must know a key's hash
@@ -156,10 +159,9 @@ class Handlers:
         self._error(session, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT, problem[1])
         return False
 
-    @staticmethod
-    def _deadline(budget_ms: int) -> Optional[float]:
+    def _deadline(self, budget_ms: int) -> Optional[float]:
         """The tiers' deadline of a request with ``budget_ms`` left (0: none given)."""
-        return time.monotonic() + budget_ms / 1000 * BUDGET_SHARE if budget_ms else None
+        return self._clock() + budget_ms / 1000 * BUDGET_SHARE if budget_ms else None
 
     def _lease(self, pool: Pool, session: Session) -> tuple[int, int]:
         """A fresh lease for ``session``: (offset, size), or (0, 0) when there is no

@@ -23,7 +23,8 @@ import logging
 import os
 import secrets
 import stat
-from typing import Iterable, Mapping, Optional
+import time
+from typing import Callable, Iterable, Mapping, Optional
 
 from ems.config import validate_access_key
 from ems.errors import EmsException, invalid
@@ -126,10 +127,11 @@ def _memfd_name(tenant: str) -> str:
 class Tenant:
     """A namespace's pool, memory and counters (owned by the daemon's loop)."""
 
-    def __init__(self, spec: TenantSpec, reservation_ttl_s: float) -> None:
+    def __init__(self, spec: TenantSpec, reservation_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.name = spec.name
-        self.pool = Pool(spec.quota_bytes, reservation_ttl_s=reservation_ttl_s)
+        self.pool = Pool(spec.quota_bytes, reservation_ttl_s=reservation_ttl_s, clock=clock)
         self.segment_size = self.pool.capacity_bytes
         # A random id: segments of a restarted daemon never look like the old ones.
         self.segment_id = secrets.randbits(48)
