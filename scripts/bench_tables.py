@@ -8,7 +8,8 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``ems bench --out DIR`` writes ``DIR/bench.json``), ``docs/vllm_ttft.json``
 (``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
 (``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
---out DIR`` writes ``DIR/bench-disk.json``), ``docs/vllm_ttft_hybrid.json``
+--out DIR`` writes ``DIR/bench-disk.json``), ``docs/disk_load_breakdown.json``
+(``benchmarks/disk_load_breakdown.py``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
 (``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``),
 ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``) and ``docs/bench-trace.json`` /
@@ -255,6 +256,36 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 
 
+def disk_load_breakdown(d: dict[str, Any]) -> str:
+    ems = d["ems"]
+    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
+           f"benchmarks/disk_load_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
+           f"per value size through {d['shm_mib']} MiB of shared memory, load average "
+           f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
+           "| values | phase | batch | load from disk | same batch from shared memory | "
+           "fetch (difference) | engine read alone | client copy alone | load GB/s | "
+           "engine GB/s | device read GB/s |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shares = []
+    for r in d["rows"]:
+        st, b = r["store"]["store_read_s"], r["batch_bytes"]
+        for phase in ("evicted", "restart"):
+            p = r[phase]
+            fetch = p["disk_load_s"] - p["shm_load_s"]
+            out.append(f"| {r['name']} | {phase} | {_size(b)} | "
+                       f"{p['disk_load_s'] * 1e3:.1f} ms | {p['shm_load_s'] * 1e3:.1f} ms | "
+                       f"{fetch * 1e3:.1f} ms | {st * 1e3:.1f} ms | "
+                       f"{r['copy_s'] * 1e3:.1f} ms | {b / p['disk_load_s'] / 1e9:.2f} | "
+                       f"{b / st / 1e9:.2f} | {r['limit_read_gbps']:.2f} |")
+            shares.append(f"{r['name']} {phase} {100 * p['shm_load_s'] / p['disk_load_s']:.0f} %")
+    out += ["", "Per batch, mean of the batches; the engine read is `DiskStore.read` of the "
+            "same records, `io_threads` deep, with the daemon stopped. The part of a load "
+            "that is not the disk (the same batch from shared memory: round trip and "
+            "client copy) is " + ", ".join(shares) + " of the load from disk."]
+    return "\n".join(out)
+
+
 def trace_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
     commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
@@ -379,6 +410,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "disk-throughput": ("bench-disk.json", disk_throughput),
     "disk-recovery": ("bench-disk.json", disk_recovery),
     "disk-targets": ("bench-disk.json", disk_targets),
+    "disk-load-breakdown": ("disk_load_breakdown.json", disk_load_breakdown),
     "vllm-ttft-hybrid": ("vllm_ttft_hybrid.json", vllm_ttft),
     "kv-events": ("kv_events.json", kv_events),
     "netns-cross-host": ("netns.json", netns_cross_host),
