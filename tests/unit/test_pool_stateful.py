@@ -3,6 +3,7 @@ through the embedded pool and ContextCaching V0 against a dict of values."""
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -60,6 +61,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.offsets: dict[str, int] = {}  # committed key -> offset
         self.res_offsets: dict[int, int] = {}  # reservation token -> offset
         self.evicted_bytes = 0
+        #: marks of unwritten keys (``mark_unwritten``), per committed key
+        self.marks: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------- model helpers
     def pin_count(self, key: str) -> int:
@@ -75,24 +78,27 @@ class PoolMachine(RuleBasedStateMachine):
                 assert self.pin_count(key) == 0, f"pinned {key} was evicted"
                 self.evicted_bytes += self.rounded(self.committed.pop(key))
                 del self.offsets[key]
+                self.marks.pop(key, None)
                 self.evictions += 1
 
     def rounded(self, size: int) -> int:
         return self.pool.allocator.round_up(size)
 
-    def layout(self) -> list[tuple[int, int, bool]]:
-        """The model's arena: (start, size, evictable) of every allocated extent."""
-        used = [(self.offsets[k], self.rounded(n), self.pin_count(k) == 0)
+    def layout(self, spare: bool = False) -> list[tuple[int, int, bool]]:
+        """The model's arena: (start, size, evictable) of every allocated extent
+        (``spare``: objects marked unwritten are not evictable)."""
+        used = [(self.offsets[k], self.rounded(n),
+                 self.pin_count(k) == 0 and not (spare and self.marks[k] > 0))
                 for k, n in self.committed.items()]
         used += [(self.res_offsets[t], self.rounded(r[1]), False)
                  for t, r in self.reservations.items()]
         used += [(o, n, False) for pieces in self.leases.values() for o, n in pieces]
         return sorted(used)
 
-    def placeable(self, need: int) -> bool:
+    def placeable(self, need: int, spare: bool = False) -> bool:
         """Whether some run of free and evictable extents holds ``need`` bytes and
         evicting every evictable object would meet the usage limit."""
-        layout = self.layout()
+        layout = self.layout(spare)
         used = sum(n for _, n, _ in layout)
         evictable = sum(n for _, n, e in layout if e)
         if used - evictable + need > self.pool.capacity_bytes:
@@ -114,16 +120,17 @@ class PoolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- rules
     @rule(batch=st.lists(st.tuples(KEYS, st.integers(1, 64 * 6)), min_size=1, max_size=3,
                          unique_by=lambda item: item[0]),
-          owner=OWNERS, commit=st.booleans())
-    def reserve(self, batch, owner, commit):
+          owner=OWNERS, commit=st.booleans(), spare=st.booleans())
+    def reserve(self, batch, owner, commit, spare):
         keys, sizes = [k for k, _ in batch], [n for _, n in batch]
         before, busy = dict(self.committed), self.reserved_keys()
         largest = max((self.rounded(n) for n in before.values()), default=0)
         over = max(0, self.pool.statistics().used_bytes - self.pool.capacity_bytes)
         placeable = len(keys) == 1 and key_absent(keys[0], before, busy) and self.placeable(
-            self.rounded(sizes[0]))
+            self.rounded(sizes[0]), spare)
         evicted_before = self.evicted_bytes
-        grants = self.pool.reserve(keys, sizes, owner)
+        marked = {k for k, n in self.marks.items() if n > 0}
+        grants = self.pool.reserve(keys, sizes, owner, spare_unwritten=spare)
         present = set(self.pool.keys())
         exists = set()
         for key, size, g in zip(keys, sizes, grants):
@@ -139,6 +146,8 @@ class PoolMachine(RuleBasedStateMachine):
                 assert key not in busy and self.rounded(size) <= self.pool.capacity_bytes
                 assert key not in before or key not in present
         self.sync_evictions()
+        if spare:
+            assert marked <= set(self.committed), "a spare reserve evicted an unwritten key"
         # (was: FULL only after everything evictable was evicted. Now FULL only when
         # no window can be made, and making room evicts a bounded number of bytes.)
         if placeable:
@@ -204,6 +213,19 @@ class PoolMachine(RuleBasedStateMachine):
         token = data.draw(st.sampled_from(sorted(self.pins)))
         self.pool.release([token], self.pins.pop(token)[1])
 
+    @rule(key=KEYS, unwritten=st.booleans())
+    def mark(self, key, unwritten):
+        if unwritten:
+            self.pool.mark_unwritten([key])
+            if key in self.committed:
+                self.marks[key] += 1
+        else:
+            self.pool.mark_written([key])
+            if self.marks[key] > 0:
+                self.marks[key] -= 1
+        for k in self.committed:
+            assert self.pool.unwritten(k) is (self.marks[k] > 0)
+
     @rule(key=KEYS)
     def delete(self, key):
         expected = key in self.committed and self.pin_count(key) == 0
@@ -211,6 +233,7 @@ class PoolMachine(RuleBasedStateMachine):
         if expected:
             del self.committed[key]
             del self.offsets[key]
+            self.marks.pop(key, None)
 
     @rule(dt=st.floats(0, 2 * TTL))
     def tick_and_expire(self, dt):

@@ -202,11 +202,13 @@ class EmsDaemon:
 
 @contextlib.contextmanager
 def ems_pool(pool: str, capacity_bytes: int, prefix: str = "ems-",
-             disk_bytes: Optional[int] = None) -> Iterator["EmsSystem"]:
+             disk_bytes: Optional[int] = None, server_args: Sequence[str] = ()
+             ) -> Iterator["EmsSystem"]:
     """An :class:`EmsSystem` on the embedded pool (``pool`` "embedded") or through a
     fresh ems-server in a temp dir ("daemon"; with ``disk_bytes``, its disk tier of that
-    size in the same dir, checkpointed every 60 s): the profiling scripts' and the trace
-    replay's set-up; the system, the daemon and the dir are gone afterwards."""
+    size in the same dir, checkpointed every 60 s; ``server_args``: more of its flags):
+    the profiling scripts' and the trace replay's set-up; the system, the daemon and
+    the dir are gone afterwards."""
     tmp = tempfile.mkdtemp(prefix=prefix)
     daemon = None
     try:
@@ -215,7 +217,7 @@ def ems_pool(pool: str, capacity_bytes: int, prefix: str = "ems-",
                 "--disk", os.path.join(tmp, "disk"), "--disk-capacity", str(disk_bytes),
                 "--disk-checkpoint-s", "60"]
             daemon = EmsDaemon(os.path.join(tmp, "ems"), capacity_bytes, tmp,
-                               extra_args=extra)
+                               extra_args=[*extra, *server_args])
             system = EmsSystem("daemon", capacity_bytes, socket_dir=daemon.socket_dir)
         else:
             system = EmsSystem("embedded", capacity_bytes)
@@ -318,6 +320,13 @@ class EmsSystem(System):
             keys = [f"warm{self._warm_seq}-{i}" for i in range(src.shape[0])]
             self.save(keys, src)
             written += src.nbytes
+
+    def daemon_report(self) -> Optional[dict[str, Any]]:
+        """The daemon's whole report (``ems stats --json``); None on the embedded pool."""
+        from ems.client.remote import RemoteTransport
+        if not isinstance(self.transport, RemoteTransport):
+            return None
+        return self.transport.server_report(all_tenants=True)
 
     def info(self) -> dict[str, Any]:
         try:

@@ -253,8 +253,19 @@ class Pool:
 
     # ------------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
-                owner: Hashable = None) -> list[Grant]:
-        """Reserve space for each key (all or nothing per key, never per batch)."""
+                owner: Hashable = None, *, spare_unwritten: bool = False) -> list[Grant]:
+        """Reserve space for each key (all or nothing per key, never per batch);
+        ``spare_unwritten``: evict no object marked unwritten (:meth:`mark_unwritten`),
+        FULL instead (the daemon then waits for its disk writer and asks again)."""
+        policy = self._policy
+        policy.spare = spare_unwritten
+        try:
+            return self._reserve(keys, sizes, owner)
+        finally:
+            policy.spare = False
+
+    def _reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
+                 owner: Hashable) -> list[Grant]:
         expires_at = self._clock() + self.reservation_ttl_s
         grants = []
         # Keys of this batch answered EXISTS count as stored: a later key of the same
@@ -281,7 +292,8 @@ class Pool:
                     continue
                 offset = self._alloc(need)
                 if offset is None:
-                    self._refused_full += 1
+                    if not self._policy.spare:  # (else the daemon waits and asks again)
+                        self._refused_full += 1
                     grants.append(Grant(_FULL))
                     continue
                 obj = _Object(key, offset, size, need, _RESERVED, owner, expires_at)
@@ -323,7 +335,8 @@ class Pool:
                 self._drop(obj)
 
     # ------------------------------------------------------------------ leases
-    def lease(self, size: int, owner: Hashable) -> Optional[int]:
+    def lease(self, size: int, owner: Hashable, *, spare_unwritten: bool = False
+              ) -> Optional[int]:
         """Give ``owner`` an extent of ``size`` bytes: free space, or the place of the
         LRU victim alone when it (with the free space beside it) is that large; its
         offset, or None (nothing evicted) otherwise.
@@ -338,7 +351,11 @@ class Pool:
         if self.allocator.used_bytes + need <= self.capacity_bytes:
             offset = self.allocator.alloc_rounded(need)
         if offset is None:
-            offset = self._lease_from_victim(need)
+            self._policy.spare = spare_unwritten
+            try:
+                offset = self._lease_from_victim(need)
+            finally:
+                self._policy.spare = False
         if offset is None:
             self._leases_refused += 1
             return None
@@ -521,6 +538,27 @@ class Pool:
                 self._policy.insert(obj.key)
         return released
 
+    def mark_unwritten(self, keys: Sequence[Hashable]) -> None:
+        """A tier behind shared memory is to write ``keys`` (committed ones): evict
+        them only when no written object can be (``ems.pool.eviction``), until
+        :meth:`mark_written`. Marks count: each call is undone by one of those."""
+        objects, policy = self._objects, self._policy
+        for key in keys:
+            obj = objects.get(key)
+            if obj is not None and obj.state is _COMMITTED:
+                policy.mark(key, True)
+
+    def mark_written(self, keys: Sequence[Hashable]) -> None:
+        """Undo one :meth:`mark_unwritten` of each of ``keys`` (written, or given up:
+        evictable as any other object again); a key not marked is left as it is."""
+        policy = self._policy
+        for key in keys:
+            policy.mark(key, False)
+
+    def unwritten(self, key: Hashable) -> bool:
+        """Whether ``key`` is marked unwritten."""
+        return self._policy.unwritten(key)
+
     def exists(self, keys: Sequence[Hashable], sizes: Optional[Sequence[Optional[int]]] = None
                ) -> int:
         """How many leading keys are committed (no pin, no copy, no hit counting)."""
@@ -652,6 +690,7 @@ class Pool:
             del self._objects[victim]
             self._evict_capacity += 1
             self._evicted_bytes += need
+            policy.forget(victim)
             if self.on_evict is not None:
                 self.on_evict(victim, obj.size)
             return offset
@@ -792,6 +831,7 @@ class Pool:
     def _forget(self, obj: _Object) -> None:
         """Remove ``obj`` from the index; its extent stays allocated (the caller's)."""
         if obj.state is _COMMITTED:
+            self._policy.forget(obj.key)
             self._committed -= 1
             self._live_bytes -= obj.need
             del self._live_at[obj.offset]

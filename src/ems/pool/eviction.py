@@ -3,10 +3,22 @@
 A policy only tracks *evictable* keys (committed, unpinned); the pool removes a key
 from the policy while it is pinned or reserved, so :meth:`victim` is O(1) and never
 returns something a reader is copying.
+
+Written objects first. A key can be marked *unwritten* (:meth:`LruPolicy.mark`): a
+tier behind shared memory (the disk) has been asked to write it and has not yet. Such
+a key is evicted only when no written one is evictable: evicting a written object
+loses nothing (a later load finds it on the disk), evicting an unwritten one loses
+it. The policy keeps two LRU orders, written and unwritten; a key moves to the end of
+the written order when its write is done (it was saved moments ago: its LRU place
+is near the end anyway), so with nothing marked the policy is exact LRU, as before.
+With :attr:`LruPolicy.spare` set, unwritten keys are not evictable at all: a save the
+daemon lets wait for its writer (``ems.server.handlers``; measured in
+``benchmarks/disk_backpressure.py``, docs/tiers/disk.md "Back-pressure").
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections import OrderedDict
 from typing import Hashable, Optional
@@ -15,14 +27,21 @@ __all__ = ["LruPolicy"]
 
 
 class LruPolicy:
-    """Least recently used first; every operation O(1)."""
+    """Least recently used first, written before unwritten; every operation O(1)."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # written
+        self._unwritten: OrderedDict[Hashable, None] = OrderedDict()
+        #: keys marked unwritten, with how many writers wait for each (in the policy
+        #: or not: a key being written is pinned, hence out of both orders)
+        self._marks: collections.Counter[Hashable] = collections.Counter()
+        #: True: unwritten keys are not evictable now (a save that may wait for the
+        #: writer instead: ``Pool.reserve(spare_unwritten=True)``)
+        self.spare = False
 
     def insert(self, key: Hashable) -> None:
         """``key`` became evictable (committed, or its last pin was released)."""
-        order = self._order
+        order = self._unwritten if key in self._marks else self._order
         if key in order:
             order.move_to_end(key)
         else:  # (a new key goes to the end by itself)
@@ -30,16 +49,44 @@ class LruPolicy:
 
     def touch(self, key: Hashable) -> None:
         """``key`` was used; keep it longer."""
-        if key in self._order:
-            self._order.move_to_end(key)
+        for order in (self._order, self._unwritten):
+            if key in order:
+                order.move_to_end(key)
 
     def remove(self, key: Hashable) -> None:
         """``key`` is no longer evictable (pinned or deleted)."""
-        self._order.pop(key, None)
+        if self._order.pop(key, 0) == 0:
+            self._unwritten.pop(key, None)
+
+    def mark(self, key: Hashable, unwritten: bool) -> None:
+        """One more (``unwritten``) or one fewer writer waits for ``key``; it moves
+        between the orders when the first comes or the last is done."""
+        marks = self._marks
+        if unwritten:
+            marks[key] += 1
+            if marks[key] == 1 and self._order.pop(key, 0) is None:
+                self._unwritten[key] = None
+        elif key in marks:
+            marks[key] -= 1
+            if marks[key] <= 0:
+                del marks[key]
+                if self._unwritten.pop(key, 0) is None:
+                    self._order[key] = None
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` left the index (evicted, deleted): out of the orders and unmarked."""
+        self.remove(key)
+        self._marks.pop(key, None)
+
+    def unwritten(self, key: Hashable) -> bool:
+        """Whether a writer waits for ``key``."""
+        return key in self._marks
 
     def victim(self) -> Optional[Hashable]:
         """The key to evict next, or None when nothing can be evicted."""
-        return next(iter(self._order), None)
+        if self._order or self.spare:
+            return next(iter(self._order), None)
+        return next(iter(self._unwritten), None)
 
     def pop_victim(self) -> Optional[Hashable]:
         """:meth:`victim`, removed from the policy (one call where every reserve on a
@@ -47,20 +94,28 @@ class LruPolicy:
         try:
             return self._order.popitem(last=False)[0]
         except KeyError:
+            if self.spare:
+                return None
+        try:
+            return self._unwritten.popitem(last=False)[0]
+        except KeyError:
             return None
 
     def unpop(self, key: Hashable) -> None:
         """Put back the key :meth:`pop_victim` just took, as the next victim again."""
-        self._order[key] = None
-        self._order.move_to_end(key, last=False)
+        order = self._unwritten if key in self._marks else self._order
+        order[key] = None
+        order.move_to_end(key, last=False)
 
     def candidates(self, n: int) -> list[Hashable]:
         """The next ``n`` victims in order (not removed)."""
-        return list(itertools.islice(self._order, n))
+        if self.spare:
+            return list(itertools.islice(self._order, n))
+        return list(itertools.islice(itertools.chain(self._order, self._unwritten), n))
 
     def __contains__(self, key: Hashable) -> bool:
         """Whether ``key`` is evictable now."""
-        return key in self._order
+        return key in self._order or (not self.spare and key in self._unwritten)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + (0 if self.spare else len(self._unwritten))

@@ -192,6 +192,7 @@ class DiskEngine(Engine):
                    inflight_write_bytes=books.inflight_bytes,
                    admissions_refused=books.refused, queue_dropped=books.dropped,
                    evicted_before_write=books.evicted_before_write,
+                   unwritten=books.unwritten, save_waits=books.save_waits,
                    not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
                    skipped_forgotten=books.skipped_forgotten,
                    read_timeouts=books.read_timeouts,
@@ -218,6 +219,7 @@ def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenan
         read_workers=disk.io_threads, write_workers=max(1, disk.io_threads // 2),
         max_op_s=config.reservation_ttl_s / 2, inflight_bytes=disk.inflight_bytes,
         tenant_share=0.25, queue_bytes=disk.queue_bytes, bound_setting="disk.queue",
+        save_wait_s=disk.save_wait_ms / 1000,
         flush_on_stop_s=disk.flush_on_stop_s), tenants)
     logger.info("ems-server: disk tier in %s: capacity %d MiB, admission %s, checkpoint "
                 "every %g s", disk.path, disk.capacity_bytes >> 20, disk.admission,

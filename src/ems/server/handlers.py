@@ -38,7 +38,7 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import GrantStatus, Pin, Pool
+from ems.pool.core import Grant, GrantStatus, Pin, Pool
 from ems.protocol import messages as m
 from ems.server.config import Limits
 from ems.server.session import Reservation, Session
@@ -50,7 +50,7 @@ __all__ = ["BUDGET_SHARE", "Handlers", "Output"]
 #: Share of a request's remaining time (``budget_ms``) given to the tiers' work; the
 #: rest is for the reply and the client's copy.
 BUDGET_SHARE = 0.8
-_NEW = GrantStatus.NEW
+_NEW, _FULL = GrantStatus.NEW, GrantStatus.FULL
 
 #: requests whose field of this name is a list of keys (or of tokens / ranges) to
 #: bound, as its position (from the message's one definition)
@@ -87,6 +87,8 @@ class Handlers:
         self._stored_tiers += [t for t in self.tiers if t.wants_stored]
         self._evicted_tiers: list[Tier | Observer] = [t for t in self.tiers if t.wants_evicted]
         self._evicted_tiers += observers
+        #: the tiers a save may wait for (they write new objects out)
+        self._waits = [t for t in self.tiers if t.wants_stored]
         self._through: Optional[Tier] = next(
             (t for t in self.tiers if t.takes_saves_through), None)
         #: sessions remember their reservations only where a Commit must know them
@@ -176,7 +178,7 @@ class Handlers:
         if pool.leased_bytes + size > limits.lease_share * pool.capacity_bytes:
             self.refused["lease_share"] += 1
             return 0, 0
-        offset = pool.lease(size, session.id)
+        offset = pool.lease(size, session.id, spare_unwritten=bool(self._waits))
         return (0, 0) if offset is None else (offset, size)
 
     def _stored(self, tenant: Tenant, keys: Sequence[str], sizes: Sequence[int],
@@ -204,7 +206,48 @@ class Handlers:
         if any(size <= 0 for size in sizes):
             self._error(session, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
             return
-        grants = pool.reserve(keys, sizes, session.id)
+        waits = self._waits
+        grants = pool.reserve(keys, sizes, session.id, spare_unwritten=bool(waits))
+        if waits and any(g.status is _FULL for g in grants):
+            self._reserve_later(session, pool, rid, keys, sizes, grants, self._clock(),
+                                write_rcache, hashes, write_out)
+            return
+        self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)
+
+    def _reserve_later(self, session: Session, pool: Pool, rid: int, keys: list[str],
+                       sizes: list[int], grants: list[Grant], since: float,
+                       write_rcache: bool, hashes: Optional[list[int]], write_out: bool
+                       ) -> None:
+        """Back-pressure: some keys of a Reserve found the pool full of objects a tier
+        has not written out yet. Wait for one of its writes to end (then they are
+        evictable without loss) and ask again for those keys, until the tier's
+        ``save_wait_s``; then once more, evicting unwritten objects if it must
+        (counted by the tier as ``evicted_unwritten``)."""
+        tenant = session.tenant
+        assert tenant is not None
+
+        def again() -> None:
+            if not session.serves(tenant):
+                return  # gone: its reservations went with it (``drop_owner``)
+            full = [i for i, g in enumerate(grants) if g.status is _FULL]
+            for i, g in zip(full, pool.reserve([keys[i] for i in full],
+                                               [sizes[i] for i in full], session.id,
+                                               spare_unwritten=True)):
+                grants[i] = g
+            self._reserve_later(session, pool, rid, keys, sizes, grants, since,
+                                write_rcache, hashes, write_out)
+
+        full = [i for i, g in enumerate(grants) if g.status is _FULL]
+        if full and any(t.wait_written(tenant, since, again) for t in self._waits):
+            return
+        if full:  # waited long enough, or nothing to wait for
+            for i, g in zip(full, pool.reserve([keys[i] for i in full],
+                                               [sizes[i] for i in full], session.id)):
+                grants[i] = g
+        self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)
+
+    def _granted(self, session: Session, rid: int, keys: list[str], grants: list[Grant],
+                 write_rcache: bool, hashes: Optional[list[int]], write_out: bool) -> None:
         if self._track:
             mine = session.reservations
             for i, (key, g) in enumerate(zip(keys, grants)):

@@ -234,6 +234,9 @@ class DriverSettings:
     tenant_share: Optional[float] = None
     #: bytes waiting to be written out (0: none wait, past the bound a save is dropped)
     queue_bytes: int = 0
+    #: a save that finds shared memory full of objects not written out yet waits
+    #: this long at most (s) for the writer before it evicts one (0: never waits)
+    save_wait_s: float = 0.0
     #: the setting that bounds the bytes in flight or waiting (named in the warning)
     bound_setting: str = "inflight_bytes"
     #: at stop, write what shared memory holds and the engine lacks, for at most (s)
@@ -264,7 +267,10 @@ class DriverStatistics:
     skipped_caller: int
     #: of those, the ones past ``skipped_remember`` (a stop's flush may write them)
     skipped_forgotten: int
+    #: queued write-outs whose objects shared memory evicted before their turn
     evicted_before_write: int
+    #: saves that found shared memory full of unwritten objects and waited for a write
+    save_waits: int
     read_timeouts: int
     read_damaged: int
     read_io_errors: int
@@ -279,6 +285,19 @@ class DriverStatistics:
     @property
     def hit_rate(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    @property
+    def unwritten(self) -> dict[str, int]:
+        """New objects of shared memory not written out, by reason: the queue's bound
+        (``queue_full``), the engine's refusals (``write_budget``, ``quota``,
+        ``no_space``, ...), the admission policy (``admission``), the caller's
+        ``write_out`` False (``caller``), evicted before their turn
+        (``evicted_unwritten``)."""
+        out = {"queue_full": self.dropped, "admission": self.not_admitted,
+               "caller": self.skipped_caller, "evicted_unwritten": self.evicted_before_write}
+        for reason, n in self.refused.items():
+            out["write_budget" if reason == "budget" else reason] = n
+        return out
 
     def lookups_row(self) -> Report:
         """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
@@ -302,8 +321,11 @@ class TierDriver(Tier):
     event loop; the engine's I/O on the driver's workers."""
 
     def __init__(self, engine: Engine, loop: Loop, settings: DriverSettings,
-                 tenants: Callable[[], Iterable[Tenant]] = lambda: ()) -> None:
+                 tenants: Callable[[], Iterable[Tenant]] = lambda: (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
+        #: monotonic seconds of the saves' waits (the daemon's; a test's FakeClock)
+        self._clock = clock
         self.settings = settings
         self.name = engine.name  # type: ignore[misc]
         self.local = engine.local  # type: ignore[misc]
@@ -325,6 +347,9 @@ class TierDriver(Tier):
         self._queued_bytes = 0
         self._inflight_bytes = 0
         self._inflight_per_tenant: dict[str, int] = {}
+        self._queued_per_tenant: collections.Counter[str] = collections.Counter()
+        #: saves waiting for a write-out of their tenant to end (``wait_written``)
+        self._waiters: dict[str, list[Callable[[], None]]] = {}
         self._met: set[str] = set()
         self._counters = TierCounters()
         self._latency = LatencyWindow(512)
@@ -537,6 +562,8 @@ class TierDriver(Tier):
         elif self._queued_bytes + p.size <= self.settings.queue_bytes:
             self._queue.append(p)
             self._queued_bytes += p.size
+            self._queued_per_tenant[p.tenant.name] += p.size
+            p.tenant.pool.mark_unwritten(p.keys)  # evicted after the written ones
         else:
             self._counters.add(p.tenant, dropped=len(p.keys))
             self._warn("dropped", f"{self._queued_bytes + self._inflight_bytes} bytes wait "
@@ -563,9 +590,11 @@ class TierDriver(Tier):
     def _pump(self) -> None:
         """Start queued write-outs while the bounds allow (on the loop)."""
         queue = self._queue
-        while queue and self._fits(queue[0]):
+        while queue and not self._closed and self._fits(queue[0]):
             p = queue.popleft()
             self._queued_bytes -= p.size
+            self._queued_per_tenant[p.tenant.name] -= p.size
+            p.tenant.pool.mark_written(p.keys)  # pinned from here, or gone
             self._start(p)
 
     def _start(self, p: _Pending) -> None:
@@ -597,8 +626,32 @@ class TierDriver(Tier):
             self._inflight_bytes -= held
             self._inflight_per_tenant[tenant.name] -= held
             self._pump()
+            for wake in self._waiters.pop(tenant.name, ()):
+                wake()
         self._write(tenant, keys, [Extent(pin.offset, pin.size) for pin in pins], deadline,
                     written)
+
+    def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
+        """Call ``then`` on the loop once one of ``tenant``'s write-outs has ended (its
+        values unpinned and written: evictable without loss) or ``save_wait_s`` after
+        ``since``, whichever first; False (``then`` not called) when that time has
+        passed or no write-out of the tenant is queued or running: nothing to wait for
+        (``ems.server.handlers``, "Back-pressure")."""
+        name = tenant.name
+        deadline = since + self.settings.save_wait_s
+        if self._closed or self._clock() >= deadline or not (
+                self._inflight_per_tenant.get(name, 0) or self._queued_per_tenant[name]):
+            return False
+        fired = [False]
+
+        def once() -> None:
+            if not fired[0]:
+                fired[0] = True
+                then()
+        self._waiters.setdefault(name, []).append(once)
+        self._loop.call_at(deadline, once)
+        self._counters.add(tenant, save_waits=1)
+        return True
 
     def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
                      deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
@@ -661,6 +714,7 @@ class TierDriver(Tier):
             skipped_caller=c.get("skipped_caller", 0),
             skipped_forgotten=c.get("skipped_forgotten", 0),
             evicted_before_write=c.get("evicted_before_write", 0),
+            save_waits=c.get("save_waits", 0),
             read_timeouts=c.get("read_timeouts", 0), read_damaged=c.get("read_damaged", 0),
             read_io_errors=c.get("read_io_errors", 0),
             flushed_on_stop=c.get("flushed_on_stop", 0), batches=c.get("batches", 0),
@@ -696,6 +750,7 @@ class TierDriver(Tier):
         write them on the writers, wait until ``deadline``, unpin."""
         self._queue.clear()
         self._queued_bytes = 0
+        self._queued_per_tenant.clear()
         jobs: list[tuple[Tenant, str, Pin]] = []
         for tenant in self._tenants():
             self._meet(tenant)

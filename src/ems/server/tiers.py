@@ -19,6 +19,8 @@ new objects     :meth:`Tier.stored` (write-behind, spill)       nothing
 save beyond     :meth:`Tier.save_through` (``write_rcache``     ``False``: stored
 shared memory   False: that tier only, no local copy)           locally as usual
 an eviction     :meth:`Tier.evicted`                            nothing
+a save waits    :meth:`Tier.wait_written` (shared memory full   ``False``: evict
+for the writer  of objects not written out yet)                 one of them
 a session ends  :meth:`Tier.closed`                             nothing
 the report      :meth:`Tier.report`, :meth:`Tier.tenant_report` ``None``
 stop            :meth:`Tier.close`                              nothing
@@ -121,6 +123,13 @@ class Tier:
 
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
         """``key`` left ``tenant``'s pool to make room for another."""
+
+    def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
+        """A save found ``tenant``'s pool full of objects this tier has not written yet
+        (``Pool.mark_unwritten``): call ``then()`` on the loop when one of its writes
+        of the tenant ended, or when the save has waited long enough since ``since``
+        (monotonic s). False: nothing to wait for (``then`` is not called)."""
+        return False
 
     def closed(self, session: Session) -> None:
         """A session ended (its pins, reservations and lease are gone already)."""
