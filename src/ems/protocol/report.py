@@ -40,7 +40,7 @@ from ems.errors import EmsErrorCode, EmsException
 __all__ = ["ClusterNodeRow", "ClusterReport", "ClusterTierRow", "DaemonReport",
            "DiskReport", "DiskTenantRow", "EventsReport", "LocalTierRow", "PoolStatistics",
            "ServerRow", "TenantRow", "TenantTiers", "TierRow", "TierTotals", "Wire", "WireRow",
-           "hit_rate", "pool_statistics"]
+           "hit_rate", "only_tenant", "pool_statistics"]
 
 #: what crosses the wire: msgpack's tree of maps, lists and scalars
 Wire = Union[None, bool, int, float, str, list["Wire"], dict[str, "Wire"]]
@@ -123,6 +123,17 @@ def pool_statistics(row: Any) -> PoolStatistics:
                                f"got {v!r}")
         values[f.name] = v
     return PoolStatistics(**values)
+
+
+def only_tenant(report: Wire) -> PoolStatistics:
+    """The one tenant's row of a tenant session's report (it sees only itself), checked
+    as :func:`pool_statistics`; another number of rows is ``EMS_PROTOCOL_ERROR``."""
+    tenants = report.get("tenants") if type(report) is dict else None
+    rows = list(tenants.values()) if type(tenants) is dict else []
+    if len(rows) != 1:
+        raise EmsException(EmsErrorCode.EMS_PROTOCOL_ERROR,
+                           f"ems-server sent statistics of {len(rows)} tenants, expected 1")
+    return pool_statistics(rows[0])
 
 
 R = TypeVar("R", bound="WireRow")
