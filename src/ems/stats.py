@@ -13,9 +13,10 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ems.errors import EmsException
+from ems.protocol.report import ClusterReport, DaemonReport, DiskReport, Wire, hit_rate
 
 __all__ = ["format_report", "main"]
 
@@ -28,82 +29,76 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
-def _memory_lines(report: dict[str, Any]) -> list[str]:
+def _memory_lines(report: DaemonReport) -> list[str]:
     """Where each tenant's bytes are (used = live + reserved + leased) and why objects
     went (a daemon older than these fields sends none of them: they read as 0)."""
     rows = [("tenant", "live", "reserved", "leased", "free", "evicted capacity",
              "evicted fragmentation", "leases refused")]
-    for name, t in sorted(report["tenants"].items()):
-        rows.append((name, _size(t.get("live_bytes", 0)), _size(t.get("reserved_bytes", 0)),
-                     _size(t.get("leased_bytes", 0)), _size(t.get("free_bytes", 0)),
-                     str(t.get("evictions_capacity", 0)),
-                     str(t.get("evictions_fragmentation", 0)),
-                     str(t.get("leases_refused", 0))))
+    for name, t in sorted(report.tenants.items()):
+        rows.append((name, _size(t.live_bytes), _size(t.reserved_bytes),
+                     _size(t.leased_bytes), _size(t.free_bytes), str(t.evictions_capacity),
+                     str(t.evictions_fragmentation), str(t.leases_refused)))
     return ["memory:"] + _table(rows)
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The human-readable table of a statistics report."""
-    srv = report["server"]
+def format_report(report: Union[DaemonReport, Wire]) -> str:
+    """The human-readable table of a statistics report (typed, or its wire form)."""
+    if not isinstance(report, DaemonReport):
+        report = DaemonReport.from_wire(report)
+    srv = report.server
     lines = [(
-        f"ems-server {srv['version']} on {srv['socket']}: pid {srv['pid']}, "
-        f"up {srv['uptime_s']:.0f} s, {srv['connections']} connection(s), capacity "
-        f"{_size(srv['capacity_bytes'])}, {srv['tenants']} tenant(s), anonymous "
-        f"{'on' if srv['anonymous'] else 'off'}")]
+        f"ems-server {srv.version} on {srv.socket}: pid {srv.pid}, "
+        f"up {srv.uptime_s:.0f} s, {srv.connections} connection(s), capacity "
+        f"{_size(srv.capacity_bytes)}, {srv.tenants} tenant(s), anonymous "
+        f"{'on' if srv.anonymous else 'off'}")]
     head = ("tenant", "capacity", "used", "objects", "reserved", "pinned", "hit rate",
             "evictions", "expired", "conns")
     rows = [head]
-    for name, t in sorted(report["tenants"].items()):
-        rows.append((name, _size(t["capacity_bytes"]), _size(t["used_bytes"]),
-                     str(t["objects"]), str(t["reserved"]), str(t["pinned"]),
-                     f"{100 * t['hit_rate']:.1f}%", str(t["evictions"]),
-                     str(t["expired_reservations"]), str(t["connections"])))
+    for name, t in sorted(report.tenants.items()):
+        rows.append((name, _size(t.capacity_bytes), _size(t.used_bytes), str(t.objects),
+                     str(t.reserved), str(t.pinned), f"{100 * t.hit_rate:.1f}%",
+                     str(t.evictions), str(t.expired_reservations), str(t.connections)))
     lines += _table(rows)
     lines += _memory_lines(report)
-    refused = srv.get("refused") or {}
-    if refused:
+    if srv.refused:
         lines.append("refused by limits: " + ", ".join(
-            f"{name} {count}" for name, count in sorted(refused.items())))
-    if srv.get("accepting") is False:
+            f"{name} {count}" for name, count in sorted(srv.refused.items())))
+    if not srv.accepting:
         lines.append("not accepting connections now (out of file descriptors; backing off)")
-    disk = report.get("disk")
-    if disk:
-        lines += _disk_lines(report, disk)
-    cluster = report.get("cluster")
-    if cluster:
-        lines += _cluster_lines(report, cluster)
+    if report.disk is not None:
+        lines += _disk_lines(report, report.disk)
+    if report.cluster is not None:
+        lines += _cluster_lines(report, report.cluster)
     return "\n".join(lines)
 
 
-def _disk_lines(report: dict[str, Any], disk: dict[str, Any]) -> list[str]:
+def _disk_lines(report: DaemonReport, disk: DiskReport) -> list[str]:
     """The disk tier: its state, per tenant, and what it refused or recovered."""
-    t = disk["tier"]
-    refused = disk.get("admissions_refused") or {}
-    lines = [f"disk {disk['path']}: {disk['state']}, {_size(disk['used_bytes'])} of "
-             f"{_size(disk['capacity_bytes'])}, {disk['objects']} object(s), admission "
-             f"{disk['admission']}; {t['hits']} hit(s) of {t['lookups']} lookup(s) "
-             f"({100 * t['hit_rate']:.1f}%), {_size(t['bytes_in'])} read, "
-             f"{_size(t['bytes_out'])} written; writes queued "
-             f"{_size(disk['queued_write_bytes'])}, in flight "
-             f"{_size(disk['inflight_write_bytes'])}",
-             f"  recovery: {disk['records_recovered']} record(s) in "
-             f"{disk['recovery_s']:.3f} s ({'scan skipped' if disk['scan_skipped'] else 'scanned'}"
-             f"), {disk['records_dropped_damaged']} dropped as damaged; "
-             f"{disk['checkpoints']} checkpoint(s)"]
-    if refused or disk.get("queue_dropped"):
-        parts = [f"{k} {v}" for k, v in sorted(refused.items())]
-        if disk.get("queue_dropped"):
-            parts.append(f"queue_full {disk['queue_dropped']}")
+    t = disk.tier
+    lines = [f"disk {disk.path}: {disk.state}, {_size(disk.used_bytes)} of "
+             f"{_size(disk.capacity_bytes)}, {disk.objects} object(s), admission "
+             f"{disk.admission}; {t.hits} hit(s) of {t.lookups} lookup(s) "
+             f"({100 * t.hit_rate:.1f}%), {_size(t.bytes_in)} read, "
+             f"{_size(t.bytes_out)} written; writes queued "
+             f"{_size(disk.queued_write_bytes)}, in flight "
+             f"{_size(disk.inflight_write_bytes)}",
+             f"  recovery: {disk.records_recovered} record(s) in "
+             f"{disk.recovery_s:.3f} s ({'scan skipped' if disk.scan_skipped else 'scanned'}"
+             f"), {disk.records_dropped_damaged} dropped as damaged; "
+             f"{disk.checkpoints} checkpoint(s)"]
+    if disk.admissions_refused or disk.queue_dropped:
+        parts = [f"{k} {v}" for k, v in sorted(disk.admissions_refused.items())]
+        if disk.queue_dropped:
+            parts.append(f"queue_full {disk.queue_dropped}")
         lines.append("  not admitted: " + ", ".join(parts))
     rows: list[tuple[str, ...]] = [("tenant", "disk used", "objects", "quota", "hits",
                                     "misses", "bytes in", "bytes out")]
-    for name, row in sorted(report["tenants"].items()):
-        d = (row.get("tiers") or {}).get("disk")
-        if d:
-            rows.append((name, _size(d["used_bytes"]), str(d["objects"]),
-                         _size(d["quota_bytes"]) if d["quota_bytes"] is not None else "-",
-                         str(d["hits"]), str(d["misses"]), _size(d["bytes_in"]),
-                         _size(d["bytes_out"])))
+    for name, row in sorted(report.tenants.items()):
+        d = row.tiers.disk
+        if d is not None:
+            rows.append((name, _size(d.used_bytes), str(d.objects),
+                         _size(d.quota_bytes) if d.quota_bytes is not None else "-",
+                         str(d.hits), str(d.misses), _size(d.bytes_in), _size(d.bytes_out)))
     return lines + (_table(rows) if len(rows) > 1 else [])
 
 
@@ -113,30 +108,29 @@ def _table(rows: list) -> list[str]:
             for r in rows]
 
 
-def _cluster_lines(report: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
+def _cluster_lines(report: DaemonReport, cluster: ClusterReport) -> list[str]:
     """Per tier (local pool, cluster) and per Valkey node."""
-    t = cluster["tier"]
-    hits = sum(r["hits"] for r in report["tenants"].values())
-    misses = sum(r["misses"] for r in report["tenants"].values())
-    lines = [f"cluster {','.join(cluster['seeds'])} ({'TLS' if cluster['tls'] else 'TCP'}): "
-             f"{cluster['state']}; redirects {cluster.get('redirects', {})}"]
+    t = cluster.tier
+    hits = sum(r.hits for r in report.tenants.values())
+    misses = sum(r.misses for r in report.tenants.values())
+    lines = [f"cluster {','.join(cluster.seeds)} ({'TLS' if cluster.tls else 'TCP'}): "
+             f"{cluster.state}; redirects {cluster.redirects}"]
     rows: list[tuple[str, ...]] = [("tier", "lookups", "hits", "misses", "hit rate",
                                     "bytes in", "bytes out", "p50 ms", "p99 ms",
                                     "write-behind")]
     rows.append(("local", str(hits + misses), str(hits), str(misses),
-                 f"{100 * hits / max(1, hits + misses):.1f}%", "-", "-", "-", "-", "-"))
-    rows.append(("cluster", str(t["lookups"]), str(t["hits"]), str(t["misses"]),
-                 f"{100 * t['hit_rate']:.1f}%", _size(t["bytes_in"]), _size(t["bytes_out"]),
-                 f"{t['latency_p50_ms']:.2f}", f"{t['latency_p99_ms']:.2f}",
-                 f"{_size(t['write_behind_pending_bytes'])} pending, "
-                 f"{t['write_behind_dropped']} dropped"))
+                 f"{100 * hit_rate(hits, misses):.1f}%", "-", "-", "-", "-", "-"))
+    rows.append(("cluster", str(t.lookups), str(t.hits), str(t.misses),
+                 f"{100 * t.hit_rate:.1f}%", _size(t.bytes_in), _size(t.bytes_out),
+                 f"{t.latency_p50_ms:.2f}", f"{t.latency_p99_ms:.2f}",
+                 f"{_size(t.write_behind_pending_bytes)} pending, "
+                 f"{t.write_behind_dropped} dropped"))
     lines += _table(rows)
     rows = [("node", "slots", "state", "ops", "errors", "skipped", "bytes in", "bytes out",
              "last error")]
-    for n in cluster["nodes"]:
-        rows.append((n["node"], str(n["slots"]), n["state"], str(n["ops"]), str(n["errors"]),
-                     str(n["skipped"]), _size(n["bytes_in"]), _size(n["bytes_out"]),
-                     n["last_error"][:40] or "-"))
+    for n in cluster.nodes:
+        rows.append((n.node, str(n.slots), n.state, str(n.ops), str(n.errors), str(n.skipped),
+                     _size(n.bytes_in), _size(n.bytes_out), n.last_error[:40] or "-"))
     return lines + _table(rows)
 
 

@@ -3,8 +3,11 @@ behind: a pin, a reservation, a lease, or an allocator whose extents do not add 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from ems.protocol.report import ClusterReport, ClusterTierRow, DaemonReport, TenantRow
 from ems.testing.leaks import _busy, check_embedded
 
 
@@ -45,15 +48,21 @@ def test_each_leak_is_found(make_cc, leak):
 
 
 def test_a_daemon_report_with_leftovers_is_busy():
-    row = {"pinned": 0, "reserved": 0, "leases": 0, "leased_bytes": 0, "connections": 0}
-    assert _busy({"tenants": {"a": row}}) == {}
-    assert _busy({"tenants": {"a": row | {"pinned": 2}}}) == {"a": {"pinned": 2}}
-    assert _busy({"tenants": {"a": row | {"leases": 1, "leased_bytes": 4096}}}) == {
+    row = TenantRow(*[0] * 9)
+
+    def tenant(**figures: int) -> DaemonReport:
+        return DaemonReport(tenants={"a": dataclasses.replace(row, **figures)})
+    assert _busy(tenant()) == {}
+    assert _busy(tenant(pinned=2)) == {"a": {"pinned": 2}}
+    assert _busy(tenant(leases=1, leased_bytes=4096)) == {
         "a": {"leases": 1, "leased_bytes": 4096}}
     # a lease of a live connection is no leak
-    assert _busy({"tenants": {"a": row | {"leases": 1, "connections": 1}}}) == {}
-    assert _busy({"tenants": {}, "cluster": {"tier": {"write_behind_pending_bytes": 9}}}) == {
+    assert _busy(tenant(leases=1, connections=1)) == {}
+    cluster = ClusterReport(tier=ClusterTierRow(write_behind_pending_bytes=9))
+    assert _busy(DaemonReport(cluster=cluster)) == {
         "(cluster tier)": {"write_behind_pending_bytes": 9}}
+    # the wire form reads the same
+    assert _busy(tenant(pinned=2).to_wire()) == {"a": {"pinned": 2}}
 
 
 def test_a_daemon_checks_every_pool_at_stop_and_the_teardown_reads_it(tmp_path, caplog):

@@ -83,7 +83,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.futures import Cancelled, Task
 from ems.keys import Request
 from ems.protocol import messages as m
-from ems.protocol.report import PoolStatistics, pool_statistics
+from ems.protocol.report import PoolStatistics, only_tenant
 
 __all__ = ["LIVENESS_S", "RemoteTransport", "server_report"]
 
@@ -593,11 +593,7 @@ class RemoteTransport(Transport):
 
     def statistics(self) -> PoolStatistics:
         """This tenant's pool, as the daemon counts it."""
-        report = self.server_report(all_tenants=False)
-        rows = list(report["tenants"].values())
-        if len(rows) != 1:
-            raise bad_reply(f"statistics of {len(rows)} tenants, expected 1")
-        return pool_statistics(rows[0])
+        return only_tenant(self.server_report(all_tenants=False))
 
     def server_report(self, all_tenants: bool = False) -> dict[str, Any]:
         """The daemon's statistics report (``ems-server stats --json`` prints one)."""

@@ -31,6 +31,7 @@ from typing import Optional
 
 from ems.cluster.keys import SLOTS
 from ems.errors import invalid
+from ems.protocol.report import ClusterNodeRow
 
 __all__ = ["Addr", "BREAKER_FAILURES", "BREAKER_OPEN_S", "ClusterSettings", "NodeHealth",
            "SlotMap", "parse_url", "tls_context"]
@@ -237,7 +238,7 @@ class SlotMap:
             self.epoch += 1
         return covered
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[ClusterNodeRow]:
         """Per node: address, slots it serves, breaker state and counters (stats)."""
         now = time.monotonic()
         with self._lock:
@@ -248,8 +249,8 @@ class SlotMap:
             out = []
             for addr in sorted(set(counts) | set(self._health)):
                 h = self._health.get(addr) or NodeHealth(addr)
-                out.append({"node": f"{addr[0]}:{addr[1]}", "slots": counts.get(addr, 0),
-                            "state": h.state(now), "ops": h.ops, "errors": h.errors,
-                            "skipped": h.skipped, "bytes_in": h.bytes_in,
-                            "bytes_out": h.bytes_out, "last_error": h.last_error})
+                out.append(ClusterNodeRow(
+                    node=f"{addr[0]}:{addr[1]}", slots=counts.get(addr, 0),
+                    state=h.state(now), ops=h.ops, errors=h.errors, skipped=h.skipped,
+                    bytes_in=h.bytes_in, bytes_out=h.bytes_out, last_error=h.last_error))
         return out

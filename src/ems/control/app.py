@@ -45,6 +45,7 @@ from ems.control.keys import (
     transport_sealer,
 )
 from ems.errors import EmsErrorCode, EmsException, invalid
+from ems.protocol.report import DaemonReport, TenantRow, Wire
 
 __all__ = ["Service", "create_app"]
 
@@ -52,9 +53,16 @@ logger = logging.getLogger(__name__)
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 _MAX_REPORT_BYTES = 1 << 20
-_POOL_FIELDS = ("quota_bytes", "capacity_bytes", "arena_bytes", "used_bytes", "objects",
-                "connections", "hits", "misses", "miss_absent", "miss_size_mismatch",
-                "miss_pending", "evictions")
+
+
+def _pool_row(t: TenantRow) -> dict[str, Wire]:
+    """What ``/v1/pool`` shows of a tenant's row in a daemon's report."""
+    return {"quota_bytes": t.quota_bytes, "capacity_bytes": t.capacity_bytes,
+            "arena_bytes": t.arena_bytes, "used_bytes": t.used_bytes, "objects": t.objects,
+            "connections": t.connections, "hits": t.hits, "misses": t.misses,
+            "miss_absent": t.miss_absent, "miss_size_mismatch": t.miss_size_mismatch,
+            "miss_pending": t.miss_pending, "evictions": t.evictions,
+            "tiers": t.tiers.to_wire()}
 
 
 class TenantIn(BaseModel):
@@ -258,10 +266,10 @@ def create_app(service: Service) -> FastAPI:
         """One row per host and tenant: capacity, used, objects, hit rates per tier."""
         rows = []
         for h in service.hosts():
-            for name, t in sorted(h["report"].get("tenants", {}).items()):
+            report = DaemonReport.from_wire(h["report"])
+            for name, t in sorted(report.tenants.items()):
                 rows.append({"host": h["host"], "tenant": name, "age_s": h["age_s"],
-                             **{k: t.get(k) for k in _POOL_FIELDS},
-                             "tiers": t.get("tiers", {})})
+                             **_pool_row(t)})
         return rows
 
     @app.delete("/v1/hosts/{host:path}", dependencies=a, tags=["state"])
@@ -301,6 +309,7 @@ def create_app(service: Service) -> FastAPI:
             raise invalid("report must be a JSON object") from None
         if not isinstance(data, dict) or not host or len(host) > 255:
             raise invalid("report must be a JSON object, host 1-255 characters")
+        DaemonReport.from_wire(data)  # a daemon's report, or EMS_PROTOCOL_ERROR (400)
         service.db.put_report(host, data)
 
     # ---------------------------------------------------------------- page

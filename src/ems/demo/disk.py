@@ -29,18 +29,19 @@ from typing import Any, Optional, TextIO
 from ems.demo import passes
 from ems.demo.engine import make_workload
 from ems.demo.passes import DemoSettings
+from ems.protocol.report import DaemonReport, DiskTenantRow, Wire
 
 __all__ = ["run_disk"]
 
 MiB = 1 << 20
 
 
-def _counters(report: dict[str, Any]) -> dict[str, int]:
+def _counters(wire: Wire) -> dict[str, int]:
     """A tenant's pool counters; ``hits`` are shared memory's, ``disk_hits`` the disk's."""
-    row = report["tenants"]["(anonymous)"]
-    disk = row.get("tiers", {}).get("disk", {})
-    return {"hits": row["hits"], "misses": row["misses"], "evictions": row["evictions"],
-            "disk_hits": disk.get("hits", 0), "disk_objects": disk.get("objects", 0)}
+    row = DaemonReport.from_wire(wire).tenants["(anonymous)"]
+    disk = row.tiers.disk or DiskTenantRow()
+    return {"hits": row.hits, "misses": row.misses, "evictions": row.evictions,
+            "disk_hits": disk.hits, "disk_objects": disk.objects}
 
 
 def _pass(settings: DemoSettings, plain: Any, kv: dict[str, Any], argv: list[str],
@@ -106,7 +107,8 @@ def run_disk(settings: DemoSettings, args: argparse.Namespace, progress: bool,
                 return 1
             rows.append(row)
         server.restart()  # SIGTERM (flush, checkpoint, clean mark), then a fresh start
-        recovered = server.stats()["disk"]["records_recovered"]
+        disk = DaemonReport.from_wire(server.stats()).disk
+        recovered = disk.records_recovered if disk is not None else 0
         print(f"[after restart] the daemon recovered {recovered} records from the disk",
               file=out)
         row = _pass(settings, plain, kv, argv, server, os.path.join(tmp, "restart.pt"),

@@ -23,19 +23,21 @@ from typing import Any, TextIO
 from ems.demo import passes
 from ems.demo.engine import make_workload
 from ems.demo.passes import DemoSettings
+from ems.protocol.report import DaemonReport, Wire
 
 __all__ = ["run_hosts"]
 
 
-def _tiers(report: dict[str, Any]) -> dict[str, Any]:
-    local = report["tenants"]["(anonymous)"]
-    tier = report["cluster"]["tier"]
-    lh, lm = local["hits"], local["misses"]
-    return {"local_hits": lh, "local_misses": lm,
-            "local_hit_rate": lh / (lh + lm) if lh + lm else 0.0,
-            "cluster_hits": tier["hits"], "cluster_misses": tier["misses"],
-            "cluster_hit_rate": tier["hit_rate"], "cluster_bytes_in": tier["bytes_in"],
-            "cluster_bytes_out": tier["bytes_out"]}
+def _tiers(wire: Wire) -> dict[str, Any]:
+    report = DaemonReport.from_wire(wire)
+    local = report.tenants["(anonymous)"]
+    assert report.cluster is not None, "the demo's daemons run a cluster tier"
+    tier = report.cluster.tier
+    return {"local_hits": local.hits, "local_misses": local.misses,
+            "local_hit_rate": local.hit_rate,
+            "cluster_hits": tier.hits, "cluster_misses": tier.misses,
+            "cluster_hit_rate": tier.hit_rate, "cluster_bytes_in": tier.bytes_in,
+            "cluster_bytes_out": tier.bytes_out}
 
 
 def run_hosts(settings: DemoSettings, args: argparse.Namespace, progress: bool,

@@ -71,6 +71,7 @@ from ems.cluster import value
 from ems.cluster.client import ClusterClient, Op
 from ems.cluster.keys import cluster_key
 from ems.cluster.topology import ClusterSettings
+from ems.protocol.report import ClusterReport, ClusterTierRow
 from ems.server.config import ServerConfig
 from ems.server.tenants import Tenant
 from ems.server.tier_driver import (
@@ -83,32 +84,13 @@ from ems.server.tier_driver import (
     TierDriver,
     Written,
 )
-from ems.server.tiers import Loop, Report
+from ems.server.tiers import Loop
 
-__all__ = ["ClusterEngine", "TierStatistics", "start"]
+__all__ = ["ClusterEngine", "start"]
 
 logger = logging.getLogger(__name__)
 
 _FAILED = Written(False, "error")
-
-
-@dataclasses.dataclass(frozen=True)
-class TierStatistics:
-    """Counters of the cluster tier (all tenants together)."""
-
-    lookups: int
-    hits: int
-    misses: int
-    bytes_in: int
-    writes: int
-    write_errors: int
-    bytes_out: int
-    write_behind_pending_bytes: int
-    write_behind_dropped: int
-    batches: int
-    latency_p50_ms: float
-    latency_p99_ms: float
-    latency_max_ms: float
 
 
 class ClusterEngine(Engine):
@@ -161,23 +143,20 @@ class ClusterEngine(Engine):
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
         return self.write_batch(tenant, [source], deadline)[0]
 
-    def statistics(self, books: DriverStatistics) -> TierStatistics:
-        return TierStatistics(
-            lookups=books.lookups, hits=books.hits, misses=books.misses,
-            bytes_in=books.bytes_in, writes=books.writes,
-            write_errors=sum(books.refused.values()), bytes_out=books.bytes_out,
+    def statistics(self, books: DriverStatistics) -> ClusterTierRow:
+        """The tier's counters of all tenants together."""
+        return books.tier_row(
+            ClusterTierRow, lookups=books.lookups, write_errors=sum(books.refused.values()),
             write_behind_pending_bytes=books.inflight_bytes,
             write_behind_dropped=books.dropped, batches=books.batches,
             latency_p50_ms=books.latency_p50_ms, latency_p99_ms=books.latency_p99_ms,
             latency_max_ms=books.latency_max_ms)
 
-    def report(self, books: DriverStatistics) -> Report:
-        row = dataclasses.asdict(self.statistics(books))
-        row["hit_rate"] = books.hit_rate
-        nodes = self.client.slots.rows()
-        return {"seeds": [f"{h}:{p}" for h, p in self.settings.seeds], "tls": self.settings.tls,
-                "state": "down" if self.client.down_logged else "ok", "tier": row,
-                "redirects": dict(self.client.redirects), "nodes": nodes}
+    def report(self, books: DriverStatistics) -> ClusterReport:
+        return ClusterReport(
+            seeds=[f"{h}:{p}" for h, p in self.settings.seeds], tls=self.settings.tls,
+            state="down" if self.client.down_logged else "ok", tier=self.statistics(books),
+            redirects=dict(self.client.redirects), nodes=self.client.slots.rows())
 
     def close(self) -> None:
         self.client.close()

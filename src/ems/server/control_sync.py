@@ -55,6 +55,7 @@ from typing import Any, Optional
 
 from ems.config import validate_access_id
 from ems.errors import EmsException, invalid
+from ems.protocol.report import DaemonReport, LocalTierRow, Wire
 from ems.server.config import ServerConfig
 from ems.server.snapshots import LoopSnapshots
 from ems.server.tenants import Tenant, TenantSpec
@@ -285,15 +286,9 @@ class ControlSync:
         report = self._snapshots.get(timeout_s=1.0)
         if report is None:
             return
-        payload = dict(report)
+        payload = _payload(report)
         payload["host"] = self.host
         payload["control"] = self.state()
-        for row in payload.get("tenants", {}).values():
-            lookups = row["hits"] + row["misses"]
-            row["tiers"] = dict(row.get("tiers", {}),  # (the cluster tier's, if any)
-                                local={"hits": row["hits"], "misses": row["misses"],
-                                       "hit_rate": row["hits"] / lookups if lookups else 0.0,
-                                       "hit_bytes": row.get("hit_bytes", 0)})
         try:
             self._request("POST", "/v1/hosts/" + urllib.parse.quote(self.host, safe="") +
                           "/report", json.dumps(payload).encode())
@@ -366,6 +361,16 @@ class ControlSync:
         self.refused = dict(plan.refused)
         self.revision = plan.revision
         self.applied_at = time.time()
+
+
+def _payload(report: DaemonReport) -> dict[str, Wire]:
+    """The wire of ``report`` for the control plane: each tenant's shared memory as a
+    tier beside its others (``tiers.local``), so its page shows them side by side."""
+    tenants = {}
+    for name, t in report.tenants.items():
+        local = LocalTierRow(hits=t.hits, misses=t.misses, hit_bytes=t.hit_bytes)
+        tenants[name] = dataclasses.replace(t, tiers=dataclasses.replace(t.tiers, local=local))
+    return dataclasses.replace(report, tenants=tenants).to_wire()
 
 
 def _why(exc: BaseException) -> str:

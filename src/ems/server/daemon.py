@@ -59,7 +59,7 @@ from ems.protocol import PROTOCOL_VERSION
 from ems.protocol import messages as m
 from ems.protocol.connection import Phase, ServerConnection
 from ems.protocol.framing import DecodeLimitExceeded
-from ems.protocol.report import DaemonReport, ServerRow, TenantRow
+from ems.protocol.report import DaemonReport, ServerRow, TenantRow, TenantTiers, WireRow
 from ems.server.config import Limits, ServerConfig
 from ems.server.handlers import Handlers
 from ems.server.listener import Listener, ListenError
@@ -688,19 +688,19 @@ class Daemon:
             buffered_bytes=self._buffered, accepting=not self._listener.paused_until)
         rows: dict[str, TenantRow] = {}
         for t in tenants:
-            tiers: dict[str, Any] = {}  # the tiers' rows are not typed yet
-            for tier in self.tiers:  # this tenant's lookups and writes there
+            tiers = {}  # this tenant's lookups and writes in each tier
+            for tier in self.tiers:
                 tier_row = tier.tenant_report(t)
                 if tier_row is not None:
                     tiers[tier.name] = tier_row
             rows[t.name] = TenantRow(**dataclasses.asdict(t.pool.statistics()),
                                      connections=t.connections, quota_bytes=t.quota_bytes,
-                                     source=t.source, tiers=tiers)
-        parts: dict[str, Any] = {}
+                                     source=t.source, tiers=TenantTiers.of(tiers))
+        parts: dict[str, WireRow] = {}
         members: list[Tier | Observer] = [*self.tiers, *self.observers]
         for part in members:
             part_report = part.report()
             if part_report is not None:
                 parts[part.name] = part_report
-        return DaemonReport(server=server, tenants=rows, parts=parts)
+        return DaemonReport.of(server, rows, parts)
 

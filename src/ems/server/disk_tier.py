@@ -67,6 +67,7 @@ import logging
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 from ems.disk import DiskSettings, DiskState, DiskStore, DiskStoreLocked, ReadResult, WriteResult
+from ems.protocol.report import DaemonReport, DiskReport, DiskTenantRow, TierTotals
 from ems.server.config import ANONYMOUS, DiskConfig, ServerConfig
 from ems.server.tenants import Tenant
 from ems.server.tier_driver import (
@@ -81,7 +82,7 @@ from ems.server.tier_driver import (
     TierDriver,
     Written,
 )
-from ems.server.tiers import Loop, Report, TierEvents
+from ems.server.tiers import Loop, MetricFamily, TierEvents
 
 __all__ = ["DiskEngine", "start"]
 
@@ -174,30 +175,88 @@ class DiskEngine(Engine):
         assert self.events is not None
         self.events.tier_removed(tenant, keys, MEDIUM)
 
-    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Report:
-        out = books.lookups_row()
-        out.update(objects=0, used_bytes=0, quota_bytes=None)
+    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> DiskTenantRow:
         for t in self.store.statistics().tenants:
             if t.tenant == tenant.name:
-                out.update(objects=t.objects, used_bytes=t.disk_bytes,
-                           quota_bytes=t.quota_bytes)
-        return out
+                return books.tier_row(DiskTenantRow, objects=t.objects,
+                                      used_bytes=t.disk_bytes, quota_bytes=t.quota_bytes)
+        return books.tier_row(DiskTenantRow)
 
-    def report(self, books: DriverStatistics) -> Report:
-        row = dataclasses.asdict(self.store.statistics())
-        row.pop("tenants", None)
-        row.update(path=self.config.path, admission=self.config.admission,
-                   tier={"lookups": books.lookups, **books.lookups_row()},
-                   queued_write_bytes=books.queued_bytes,
-                   inflight_write_bytes=books.inflight_bytes,
-                   admissions_refused=books.refused, queue_dropped=books.dropped,
-                   evicted_before_write=books.evicted_before_write,
-                   unwritten=books.unwritten, save_waits=books.save_waits,
-                   not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
-                   skipped_forgotten=books.skipped_forgotten,
-                   read_timeouts=books.read_timeouts,
-                   flushed_on_stop=books.flushed_on_stop)
-        return row
+    def report(self, books: DriverStatistics) -> DiskReport:
+        store = dataclasses.asdict(self.store.statistics())
+        del store["tenants"]  # the tenants' rows are theirs (tenant_report)
+        store.update(read_timeouts=books.read_timeouts)  # the driver's deadlines
+        return DiskReport(
+            **store, path=self.config.path, admission=self.config.admission,
+            tier=books.tier_row(TierTotals, lookups=books.lookups),
+            queued_write_bytes=books.queued_bytes, inflight_write_bytes=books.inflight_bytes,
+            admissions_refused=books.refused, queue_dropped=books.dropped,
+            evicted_before_write=books.evicted_before_write,
+            unwritten=books.unwritten, save_waits=books.save_waits,
+            not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
+            skipped_forgotten=books.skipped_forgotten, flushed_on_stop=books.flushed_on_stop)
+
+    def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
+        """``ems_disk_*`` (see ``ems.server.metrics``), from ``report.disk`` and the
+        tenants' disk rows."""
+        disk = report.disk
+        if disk is None:
+            return []
+        out = [MetricFamily(name, doc, samples=[((), value or 0)]) for name, doc, value in (
+            ("ems_disk_capacity_bytes", "bytes the disk tier may use", disk.capacity_bytes),
+            ("ems_disk_used_bytes", "bytes of region files in use", disk.used_bytes),
+            ("ems_disk_objects", "records on disk", disk.objects),
+            ("ems_disk_queued_write_bytes", "bytes waiting to be written",
+             disk.queued_write_bytes),
+            ("ems_disk_inflight_write_bytes", "bytes being written", disk.inflight_write_bytes),
+            ("ems_disk_records_recovered", "records found by the last start's recovery",
+             disk.records_recovered),
+            ("ems_disk_recovery_seconds", "seconds the last start's recovery took",
+             disk.recovery_s),
+            ("ems_disk_up", "1 unless the disk tier is off", 0 if disk.state == "off" else 1))]
+        out.append(MetricFamily("ems_disk_records_dropped_damaged",
+                                "records dropped as damaged (at recovery or read)", counter=True,
+                                samples=[((), disk.records_dropped_damaged)]))
+        refused = MetricFamily("ems_disk_admissions_refused",
+                               "objects not written to disk, by reason", counter=True,
+                               labels=("reason",))
+        for reason, n in (("no_space", disk.refused_no_space), ("quota", disk.refused_quota),
+                          ("budget", disk.refused_budget), ("io_error", disk.refused_io_error),
+                          ("too_large", disk.refused_too_large),
+                          ("queue_full", disk.queue_dropped), ("caller", disk.skipped_caller)):
+            refused.add([reason], n)
+        errors = MetricFamily("ems_disk_read_errors", "disk reads that did not hit",
+                              counter=True, labels=("kind",))
+        for kind, n in (("damaged", disk.read_damaged), ("io_error", disk.read_io_errors),
+                        ("timeout", disk.read_timeouts)):
+            errors.add([kind], n)
+        latency = MetricFamily("ems_disk_latency_seconds", "disk I/O latency",
+                               labels=("op", "quantile"))
+        for op, q, seconds in (("read", "p50", disk.read_latency_p50_s),
+                               ("read", "p99", disk.read_latency_p99_s),
+                               ("write", "p50", disk.write_latency_p50_s),
+                               ("write", "p99", disk.write_latency_p99_s)):
+            latency.add([op, q], seconds or 0.0)
+        unwritten = MetricFamily(
+            "ems_disk_unwritten", "new objects of shared memory not written to disk, by "
+            "reason (evicted_unwritten: evicted before their write)", counter=True,
+            labels=("reason",))
+        for reason, n in sorted(disk.unwritten.items()):
+            unwritten.add([reason], n)
+        waits = MetricFamily("ems_disk_save_waits", "saves that waited for the disk's "
+                             "writer (shared memory full of unwritten objects)", counter=True,
+                             samples=[((), disk.save_waits)])
+        out += [refused, errors, latency, unwritten, waits]
+        per = [MetricFamily(f"ems_disk_tenant_{name}", doc, labels=("tenant",))
+               for name, doc in (("used_bytes", "a tenant's bytes on disk"),
+                                 ("objects", "a tenant's records on disk"),
+                                 ("quota_bytes", "a tenant's disk share"))]
+        for name, t in sorted(report.tenants.items()):
+            row = t.tiers.disk
+            if row is not None:
+                for family, value in zip(per, (row.used_bytes, row.objects, row.quota_bytes)):
+                    family.add([name], value or 0)
+        return out + per
 
     def close(self) -> None:
         """Checkpoint and mark a clean shutdown (after the driver's flush)."""

@@ -23,12 +23,12 @@ router matches blocks by the engine's hashes, which ems cannot make up.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar, Optional, Sequence
 
+from ems.protocol.report import EventsReport
 from ems.server.kv_events import KvEventPublisher
 from ems.server.tenants import Tenant
-from ems.server.tiers import Observer, Report, TierEvents
+from ems.server.tiers import Observer, TierEvents
 
 __all__ = ["EventsObserver"]
 
@@ -62,5 +62,5 @@ class EventsObserver(Observer, TierEvents):
     def tier_removed(self, tenant: str, keys: Sequence[str], tier: str) -> None:
         self.publisher.evicted(tenant, keys, tier)
 
-    def report(self) -> Optional[Report]:
-        return dataclasses.asdict(self.publisher.statistics())
+    def report(self) -> EventsReport:
+        return self.publisher.statistics()

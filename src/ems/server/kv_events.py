@@ -54,7 +54,6 @@ the last tier holding it removed it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -62,6 +61,8 @@ import time
 from typing import Any, Optional, Sequence
 
 import msgpack
+
+from ems.protocol.report import EventsReport
 
 __all__ = ["MEDIUMS", "KvEventPublisher", "KvEventStatistics", "decode_batch"]
 
@@ -79,19 +80,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK = (1 << 64) - 1
 
 
-@dataclasses.dataclass(frozen=True)
-class KvEventStatistics:
-    """Counters of one publisher (cumulative)."""
-
-    published_batches: int = 0
-    published_events: int = 0  #: BlockStored/BlockRemoved/AllBlocksCleared sent
-    published_hashes: int = 0  #: block hashes in them
-    dropped_batches: int = 0  #: the queue was full: the oldest batch dropped
-    queued_batches: int = 0  #: waiting to be sent now
-    replays: int = 0  #: replay requests served
-    tracked_keys: int = 0  #: key -> hash entries kept for BlockRemoved
-    untracked_removals: int = 0  #: evicted keys whose hash was not (or no longer) known
-    next_seq: int = 0
+#: Counters of one publisher (cumulative): its part of the daemon's report, one
+#: definition (``ems.protocol.report.EventsReport``)
+KvEventStatistics = EventsReport
 
 
 def space_of(key: str) -> str:

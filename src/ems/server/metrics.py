@@ -41,6 +41,12 @@ ems_disk_records_recovered, _recovery_      -                       the last sta
 seconds, _records_dropped_damaged_total                             recovery
 ems_disk_latency_seconds                    op, quantile            read/write p50, p99
 ems_disk_up                                 -                       1 unless the tier is off
+ems_disk_unwritten_total                    reason                  new objects not written:
+                                                                    queue_full, admission,
+                                                                    caller, write_budget,
+                                                                    evicted_unwritten, ...
+ems_disk_save_waits_total                   -                       saves that waited for
+                                                                    the disk's writer
 ems_pool_capacity_bytes                     tenant                  usage limit (quota)
 ems_pool_arena_bytes                        tenant                  the segment's memory
 ems_pool_quota_bytes                        tenant                  quota asked for
@@ -75,7 +81,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -87,7 +93,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ems.errors import invalid
+from ems.protocol.report import DaemonReport, TenantRow
 from ems.server.snapshots import LoopSnapshots
+from ems.server.tiers import MetricFamily, Observer, Tier
 
 if TYPE_CHECKING:
     from ems.server.daemon import Daemon
@@ -99,22 +107,21 @@ logger = logging.getLogger(__name__)
 #: Upper bounds of the latency buckets, seconds (a 1-key request takes ~10-70 us).
 BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
              0.1, 1.0)
-_MISS_REASONS = (("absent", "miss_absent"), ("size_mismatch", "miss_size_mismatch"),
-                 ("pending", "miss_pending"))
-#: (report field, metric name after ``ems_pool_``, help)
-_GAUGES = (("capacity_bytes", "capacity_bytes",
-            "the pool's usage limit (its quota, at most the arena)"),
-           ("arena_bytes", "arena_bytes", "memory of the tenant's segment"),
-           ("quota_bytes", "quota_bytes", "the quota asked for (above the arena: limited)"),
-           ("used_bytes", "used_bytes", "bytes allocated (objects, reservations, leases)"),
-           ("leased_bytes", "leased_bytes", "bytes held by connections' leases"),
-           ("live_bytes", "live_bytes", "bytes of committed objects"),
-           ("reserved_bytes", "reserved_bytes", "bytes of reservations being written"),
-           ("free_bytes", "free_bytes", "bytes the pool may allocate before it evicts"),
-           ("objects", "objects", "committed objects"),
-           ("reserved", "reserved_objects", "reservations being written"),
-           ("pinned", "pinned_objects", "objects pinned by readers"),
-           ("leases", "leases", "connections holding a lease"))
+#: (metric name after ``ems_pool_``, help, the tenant row's figure)
+_GAUGES: tuple[tuple[str, str, Callable[[TenantRow], int]], ...] = (
+    ("capacity_bytes", "the pool's usage limit (its quota, at most the arena)",
+     lambda t: t.capacity_bytes),
+    ("arena_bytes", "memory of the tenant's segment", lambda t: t.arena_bytes),
+    ("quota_bytes", "the quota asked for (above the arena: limited)", lambda t: t.quota_bytes),
+    ("used_bytes", "bytes allocated (objects, reservations, leases)", lambda t: t.used_bytes),
+    ("leased_bytes", "bytes held by connections' leases", lambda t: t.leased_bytes),
+    ("live_bytes", "bytes of committed objects", lambda t: t.live_bytes),
+    ("reserved_bytes", "bytes of reservations being written", lambda t: t.reserved_bytes),
+    ("free_bytes", "bytes the pool may allocate before it evicts", lambda t: t.free_bytes),
+    ("objects", "committed objects", lambda t: t.objects),
+    ("reserved_objects", "reservations being written", lambda t: t.reserved),
+    ("pinned_objects", "objects pinned by readers", lambda t: t.pinned),
+    ("leases", "connections holding a lease", lambda t: t.leases))
 
 
 class _Latency:
@@ -140,83 +147,14 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Any]:
         report = self._snapshots.get(timeout_s=1.0)
         if report is not None:
-            yield from self._pool_families(report)
+            yield from _pool_families(report)
+            members: list[Tier | Observer] = [*self._daemon.tiers, *self._daemon.observers]
+            for member in members:  # each tier's own families
+                yield from (_prometheus(f) for f in member.metric_families(report))
         yield from self._latency_family()
         sync = self._daemon.control_sync
         if sync is not None:
             yield from _control_families(sync)
-
-    def _pool_families(self, report: dict[str, Any]) -> Iterator[Any]:
-        srv = report["server"]
-        info = InfoMetricFamily("ems_server", "the daemon")
-        info.add_metric([], {"version": str(srv["version"]), "protocol": str(srv["protocol"])})
-        yield info
-        yield GaugeMetricFamily("ems_server_uptime_seconds", "seconds since the start",
-                                value=srv["uptime_s"])
-        yield GaugeMetricFamily("ems_connections", "open connections (all phases)",
-                                value=srv["connections"])
-        limits = CounterMetricFamily("ems_limit_refusals",
-                                     "requests and connections refused by a daemon limit",
-                                     labels=["limit"])
-        for name, n in sorted(srv.get("refused", {}).items()):
-            limits.add_metric([name], n)
-        yield limits
-        tenants = report["tenants"]
-        hits = CounterMetricFamily("ems_pool_hits", "lookups that hit", labels=["tenant", "tier"])
-        misses = CounterMetricFamily("ems_pool_misses", "lookups that missed, by reason",
-                                     labels=["tenant", "tier", "reason"])
-        hit_bytes = CounterMetricFamily("ems_pool_hit_bytes", "bytes of the objects hit",
-                                        labels=["tenant", "tier"])
-        stored = CounterMetricFamily("ems_pool_stored_bytes", "bytes committed",
-                                     labels=["tenant", "tier"])
-        evictions = CounterMetricFamily("ems_pool_evictions", "objects evicted (LRU)",
-                                        labels=["tenant"])
-        by_cause = CounterMetricFamily("ems_pool_evictions_by_cause",
-                                       "objects evicted: the policy's victims (capacity) or "
-                                       "their neighbours, for contiguous space (fragmentation)",
-                                       labels=["tenant", "cause"])
-        evicted_bytes = CounterMetricFamily("ems_pool_evicted_bytes", "bytes evicted",
-                                            labels=["tenant"])
-        leases_refused = CounterMetricFamily("ems_pool_leases_refused",
-                                             "leases refused: no free extent of a lease's size",
-                                             labels=["tenant"])
-        expired = CounterMetricFamily("ems_pool_expired_reservations",
-                                      "reservations freed after the TTL", labels=["tenant"])
-        refusals = CounterMetricFamily("ems_pool_refusals", "reservations refused",
-                                       labels=["tenant", "reason"])
-        conns = GaugeMetricFamily("ems_tenant_connections", "sessions of the tenant",
-                                  labels=["tenant"])
-        gauges = {field: GaugeMetricFamily(f"ems_pool_{name}", doc, labels=["tenant"])
-                  for field, name, doc in _GAUGES}
-        for name, t in sorted(tenants.items()):
-            hits.add_metric([name, "local"], t["hits"])
-            for reason, field in _MISS_REASONS:
-                misses.add_metric([name, "local", reason], t.get(field, 0))
-            hit_bytes.add_metric([name, "local"], t.get("hit_bytes", 0))
-            stored.add_metric([name, "local"], t.get("stored_bytes", 0))
-            evictions.add_metric([name], t["evictions"])
-            by_cause.add_metric([name, "capacity"], t.get("evictions_capacity", 0))
-            by_cause.add_metric([name, "fragmentation"], t.get("evictions_fragmentation", 0))
-            evicted_bytes.add_metric([name], t.get("evicted_bytes", 0))
-            leases_refused.add_metric([name], t.get("leases_refused", 0))
-            expired.add_metric([name], t["expired_reservations"])
-            refusals.add_metric([name, "full"], t.get("refused_full", 0))
-            refusals.add_metric([name, "too_large"], t.get("refused_too_large", 0))
-            conns.add_metric([name], t["connections"])
-            for gauge_name, family in gauges.items():
-                family.add_metric([name], t.get(gauge_name, 0) or 0)
-        for name, t in sorted(tenants.items()):  # the tiers beyond shared memory
-            for tier, row in sorted((t.get("tiers") or {}).items()):
-                hits.add_metric([name, tier], row.get("hits", 0))
-                misses.add_metric([name, tier, "absent"], row.get("misses", 0))
-                hit_bytes.add_metric([name, tier], row.get("bytes_in", 0))
-                stored.add_metric([name, tier], row.get("bytes_out", 0))
-        yield from (hits, misses, hit_bytes, stored, evictions, by_cause, evicted_bytes,
-                    leases_refused, expired, refusals, conns)
-        yield from gauges.values()
-        disk = report.get("disk")
-        if disk:
-            yield from _disk_families(disk, tenants)
 
     def _latency_family(self) -> Iterator[Any]:
         family = HistogramMetricFamily("ems_request_duration_seconds",
@@ -233,51 +171,87 @@ class _Collector(Collector):
         yield family
 
 
-def _disk_families(disk: dict[str, Any], tenants: dict[str, Any]) -> Iterator[Any]:
-    """The disk tier's own families (``report()["disk"]``)."""
-    for field, doc in (("capacity_bytes", "bytes the disk tier may use"),
-                       ("used_bytes", "bytes of region files in use"),
-                       ("objects", "records on disk"),
-                       ("queued_write_bytes", "bytes waiting to be written"),
-                       ("inflight_write_bytes", "bytes being written"),
-                       ("records_recovered", "records found by the last start's recovery"),
-                       ("recovery_s", "seconds the last start's recovery took")):
-        name = "ems_disk_recovery_seconds" if field == "recovery_s" else f"ems_disk_{field}"
-        yield GaugeMetricFamily(name, doc, value=disk.get(field) or 0)
-    yield GaugeMetricFamily("ems_disk_up", "1 unless the disk tier is off",
-                            value=0 if disk.get("state") == "off" else 1)
-    yield CounterMetricFamily("ems_disk_records_dropped_damaged",
-                              "records dropped as damaged (at recovery or read)",
-                              value=disk.get("records_dropped_damaged", 0))
-    refused = CounterMetricFamily("ems_disk_admissions_refused",
-                                  "objects not written to disk, by reason", labels=["reason"])
-    for reason in ("no_space", "quota", "budget", "io_error", "too_large"):
-        refused.add_metric([reason], disk.get(f"refused_{reason}", 0))
-    refused.add_metric(["queue_full"], disk.get("queue_dropped", 0))
-    refused.add_metric(["caller"], disk.get("skipped_caller", 0))
-    yield refused
-    errors = CounterMetricFamily("ems_disk_read_errors", "disk reads that did not hit",
-                                 labels=["kind"])
-    for kind, field in (("damaged", "read_damaged"), ("io_error", "read_io_errors"),
-                        ("timeout", "read_timeouts")):
-        errors.add_metric([kind], disk.get(field, 0))
-    yield errors
-    latency = GaugeMetricFamily("ems_disk_latency_seconds", "disk I/O latency",
-                                labels=["op", "quantile"])
-    for op in ("read", "write"):
-        for q in ("p50", "p99"):
-            latency.add_metric([op, q], disk.get(f"{op}_latency_{q}_s") or 0.0)
-    yield latency
-    per = {f: GaugeMetricFamily(f"ems_disk_tenant_{f}", doc, labels=["tenant"])
-           for f, doc in (("used_bytes", "a tenant's bytes on disk"),
-                          ("objects", "a tenant's records on disk"),
-                          ("quota_bytes", "a tenant's disk share"))}
-    for name, t in sorted(tenants.items()):
-        row = (t.get("tiers") or {}).get("disk")
-        if row:
-            for f, family in per.items():
-                family.add_metric([name], row.get(f) or 0)
-    yield from per.values()
+def _pool_families(report: DaemonReport) -> Iterator[Any]:
+    """The server's and the pools' families, and the lookups of every tier."""
+    srv = report.server
+    info = InfoMetricFamily("ems_server", "the daemon")
+    info.add_metric([], {"version": str(srv.version), "protocol": str(srv.protocol)})
+    yield info
+    yield GaugeMetricFamily("ems_server_uptime_seconds", "seconds since the start",
+                            value=srv.uptime_s)
+    yield GaugeMetricFamily("ems_connections", "open connections (all phases)",
+                            value=srv.connections)
+    limits = CounterMetricFamily("ems_limit_refusals",
+                                 "requests and connections refused by a daemon limit",
+                                 labels=["limit"])
+    for name, n in sorted(srv.refused.items()):
+        limits.add_metric([name], n)
+    yield limits
+    tenants = sorted(report.tenants.items())
+    hits = CounterMetricFamily("ems_pool_hits", "lookups that hit", labels=["tenant", "tier"])
+    misses = CounterMetricFamily("ems_pool_misses", "lookups that missed, by reason",
+                                 labels=["tenant", "tier", "reason"])
+    hit_bytes = CounterMetricFamily("ems_pool_hit_bytes", "bytes of the objects hit",
+                                    labels=["tenant", "tier"])
+    stored = CounterMetricFamily("ems_pool_stored_bytes", "bytes committed",
+                                 labels=["tenant", "tier"])
+    evictions = CounterMetricFamily("ems_pool_evictions", "objects evicted (LRU)",
+                                    labels=["tenant"])
+    by_cause = CounterMetricFamily("ems_pool_evictions_by_cause",
+                                   "objects evicted: the policy's victims (capacity) or "
+                                   "their neighbours, for contiguous space (fragmentation)",
+                                   labels=["tenant", "cause"])
+    evicted_bytes = CounterMetricFamily("ems_pool_evicted_bytes", "bytes evicted",
+                                        labels=["tenant"])
+    leases_refused = CounterMetricFamily("ems_pool_leases_refused",
+                                         "leases refused: no free extent of a lease's size",
+                                         labels=["tenant"])
+    expired = CounterMetricFamily("ems_pool_expired_reservations",
+                                  "reservations freed after the TTL", labels=["tenant"])
+    refusals = CounterMetricFamily("ems_pool_refusals", "reservations refused",
+                                   labels=["tenant", "reason"])
+    conns = GaugeMetricFamily("ems_tenant_connections", "sessions of the tenant",
+                              labels=["tenant"])
+    gauges = [(GaugeMetricFamily(f"ems_pool_{name}", doc, labels=["tenant"]), figure)
+              for name, doc, figure in _GAUGES]
+    for name, t in tenants:
+        hits.add_metric([name, "local"], t.hits)
+        misses.add_metric([name, "local", "absent"], t.miss_absent)
+        misses.add_metric([name, "local", "size_mismatch"], t.miss_size_mismatch)
+        misses.add_metric([name, "local", "pending"], t.miss_pending)
+        hit_bytes.add_metric([name, "local"], t.hit_bytes)
+        stored.add_metric([name, "local"], t.stored_bytes)
+        evictions.add_metric([name], t.evictions)
+        by_cause.add_metric([name, "capacity"], t.evictions_capacity)
+        by_cause.add_metric([name, "fragmentation"], t.evictions_fragmentation)
+        evicted_bytes.add_metric([name], t.evicted_bytes)
+        leases_refused.add_metric([name], t.leases_refused)
+        expired.add_metric([name], t.expired_reservations)
+        refusals.add_metric([name, "full"], t.refused_full)
+        refusals.add_metric([name, "too_large"], t.refused_too_large)
+        conns.add_metric([name], t.connections)
+        for family, figure in gauges:
+            family.add_metric([name], figure(t))
+    for name, t in tenants:  # the tiers beyond shared memory
+        for tier, row in t.tiers.beyond_shared_memory():
+            hits.add_metric([name, tier], row.hits)
+            misses.add_metric([name, tier, "absent"], row.misses)
+            hit_bytes.add_metric([name, tier], row.bytes_in)
+            stored.add_metric([name, tier], row.bytes_out)
+    yield from (hits, misses, hit_bytes, stored, evictions, by_cause, evicted_bytes,
+                leases_refused, expired, refusals, conns)
+    yield from (family for family, _ in gauges)
+
+
+def _prometheus(family: MetricFamily) -> Any:
+    """A tier's family (plain data) as prometheus_client's."""
+    kind = CounterMetricFamily if family.counter else GaugeMetricFamily
+    if not family.labels:
+        return kind(family.name, family.doc, value=family.samples[0][1])
+    out = kind(family.name, family.doc, labels=list(family.labels))
+    for labels, value in family.samples:
+        out.add_metric(list(labels), value)
+    return out
 
 
 def _control_families(sync: Any) -> Iterator[Any]:

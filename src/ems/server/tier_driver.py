@@ -55,18 +55,21 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, ClassVar, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol, Sequence, TypeVar
 
 from ems.disk.stats import LatencyWindow
 from ems.pool.core import Pin
+from ems.protocol.report import DaemonReport, TierRow, WireRow, hit_rate
 from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentMaps
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.tenants import Tenant
-from ems.server.tiers import Extent, Loop, Report, Tier, TierCounters
+from ems.server.tiers import Extent, Loop, MetricFamily, Tier, TierCounters
 
 __all__ = ["Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
            "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
+
+_Row = TypeVar("_Row", bound=TierRow)
 
 logger = logging.getLogger(__name__)
 
@@ -205,13 +208,17 @@ class Engine:
                     deadline: Optional[float]) -> list[Written]:
         return [self.write(tenant, s, deadline) for s in sources]
 
-    def report(self, books: DriverStatistics) -> Optional[Report]:
+    def report(self, books: DriverStatistics) -> Optional[WireRow]:
         """The tier's part of the daemon's report, from the driver's ``books``."""
         return None
 
-    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Optional[Report]:
-        """One tenant's row (``tenants[name]["tiers"][engine name]``)."""
-        return books.lookups_row()
+    def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> Optional[TierRow]:
+        """One tenant's row (``tenants[name].tiers.<engine name>``)."""
+        return books.tier_row(TierRow)
+
+    def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
+        """The engine's own Prometheus families (``Tier.metric_families``)."""
+        return []
 
     def close(self) -> None:
         """The daemon stops (the driver's workers are done)."""
@@ -284,7 +291,7 @@ class DriverStatistics:
 
     @property
     def hit_rate(self) -> float:
-        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+        return hit_rate(self.hits, self.misses)
 
     @property
     def unwritten(self) -> dict[str, int]:
@@ -299,11 +306,11 @@ class DriverStatistics:
             out["write_budget" if reason == "budget" else reason] = n
         return out
 
-    def lookups_row(self) -> Report:
-        """The lookup and write figures every tier reports (``tiers.<name>`` rows)."""
-        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
-                "bytes_in": self.bytes_in, "writes": self.writes,
-                "bytes_out": self.bytes_out}
+    def tier_row(self, kind: type[_Row], **more: Any) -> _Row:
+        """The lookup and write figures every tier reports, as a ``kind`` row
+        (``TierRow`` or a tier's own with ``more`` fields)."""
+        return kind(hits=self.hits, misses=self.misses, bytes_in=self.bytes_in,
+                    writes=self.writes, bytes_out=self.bytes_out, **more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -724,11 +731,14 @@ class TierDriver(Tier):
             latency_p99_ms=ms(self._latency.quantile(0.99)),
             latency_max_ms=ms(self._max_latency_s))
 
-    def report(self) -> Optional[Report]:
+    def report(self) -> Optional[WireRow]:
         return self.engine.report(self.statistics())
 
-    def tenant_report(self, tenant: Tenant) -> Optional[Report]:
+    def tenant_report(self, tenant: Tenant) -> Optional[TierRow]:
         return self.engine.tenant_report(tenant, self.statistics(tenant))
+
+    def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
+        return self.engine.metric_families(report)
 
     # ------------------------------------------------------------ stop
     def close(self) -> None:

@@ -23,6 +23,7 @@ a save waits    :meth:`Tier.wait_written` (shared memory full   ``False``: evict
 for the writer  of objects not written out yet)                 one of them
 a session ends  :meth:`Tier.closed`                             nothing
 the report      :meth:`Tier.report`, :meth:`Tier.tenant_report` ``None``
+metrics         :meth:`Tier.metric_families` (its own families)  none
 stop            :meth:`Tier.close`                              nothing
 ==============  ==============================================  ======================
 
@@ -49,13 +50,30 @@ import dataclasses
 import threading
 from typing import Callable, ClassVar, Optional, Protocol, Sequence
 
+from ems.protocol.report import DaemonReport, TierRow, WireRow
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "Observer", "Report", "Tier", "TierCounters", "TierEvents"]
+__all__ = ["Extent", "Loop", "MetricFamily", "Observer", "Tier", "TierCounters",
+           "TierEvents"]
 
-#: A tier's part of the daemon's report (JSON-ready: plain dicts, lists and numbers).
-Report = dict[str, object]
+
+@dataclasses.dataclass(frozen=True)
+class MetricFamily:
+    """A family of Prometheus samples that a tier or observer exports, as plain data
+    (``ems.server.metrics`` hands it to prometheus_client, which the daemon imports only
+    with ``--metrics-addr``)."""
+
+    #: the full name (``ems_disk_used_bytes``; a counter's without ``_total``)
+    name: str
+    doc: str
+    counter: bool = False
+    labels: tuple[str, ...] = ()
+    #: (label values, value)
+    samples: list[tuple[tuple[str, ...], float]] = dataclasses.field(default_factory=list)
+
+    def add(self, labels: Sequence[str], value: float) -> None:
+        self.samples.append((tuple(labels), value))
 
 
 class Loop(Protocol):
@@ -134,13 +152,19 @@ class Tier:
     def closed(self, session: Session) -> None:
         """A session ended (its pins, reservations and lease are gone already)."""
 
-    def report(self) -> Optional[Report]:
-        """The tier's part of the daemon's report (``report()[name]``)."""
+    def report(self) -> Optional[WireRow]:
+        """The tier's part of the daemon's report (``DaemonReport.<name>``)."""
         return None
 
-    def tenant_report(self, tenant: Tenant) -> Optional[Report]:
-        """The tier's counters of one tenant (``tenants[name]["tiers"][tier name]``)."""
+    def tenant_report(self, tenant: Tenant) -> Optional[TierRow]:
+        """The tier's counters of one tenant (``tenants[name].tiers.<tier name>``)."""
         return None
+
+    def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
+        """The tier's own Prometheus families, from ``report`` alone (a snapshot: this
+        runs on the exporter's thread). The lookups every tier has are the exporter's
+        (``ems_pool_hits{tier=...}``, from ``tenant_report``)."""
+        return []
 
     def close(self) -> None:
         """The daemon stops (after the last request was answered)."""
@@ -162,9 +186,13 @@ class Observer:
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
         """``key`` left ``tenant``'s pool to make room for another."""
 
-    def report(self) -> Optional[Report]:
-        """Its part of the daemon's report (``report()[name]``)."""
+    def report(self) -> Optional[WireRow]:
+        """Its part of the daemon's report (``DaemonReport.<name>``)."""
         return None
+
+    def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
+        """Its own Prometheus families (see :meth:`Tier.metric_families`)."""
+        return []
 
 
 class TierEvents(Protocol):

@@ -21,7 +21,9 @@ little before it fails.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Union
+
+from ems.protocol.report import DaemonReport, Wire
 
 __all__ = ["check_embedded", "check_server", "check_stopped"]
 
@@ -46,21 +48,23 @@ def check_embedded(cc: Any, timeout_s: float = 5.0) -> Any:
         time.sleep(0.01)
 
 
-def _busy(report: dict[str, Any]) -> dict[str, dict[str, int]]:
+def _busy(report: Union[DaemonReport, Wire]) -> dict[str, dict[str, int]]:
+    if not isinstance(report, DaemonReport):
+        report = DaemonReport.from_wire(report)
     out: dict[str, dict[str, int]] = {}
-    for name, t in report["tenants"].items():
-        held = {k: t.get(k, 0) for k in ("pinned", "reserved") if t.get(k, 0)}
-        if not t.get("connections", 0):
-            held.update({k: t.get(k, 0) for k in ("leases", "leased_bytes") if t.get(k, 0)})
-        elif t.get("leases", 0) > t["connections"] * 4:  # max_leases_per_connection
-            held["leases"] = t["leases"]
+    for name, t in report.tenants.items():
+        held = {k: n for k, n in (("pinned", t.pinned), ("reserved", t.reserved)) if n}
+        if not t.connections:
+            held.update({k: n for k, n in (("leases", t.leases),
+                                           ("leased_bytes", t.leased_bytes)) if n})
+        elif t.leases > t.connections * 4:  # max_leases_per_connection
+            held["leases"] = t.leases
         if held:
             out[name] = held
     # the cluster tier (all tenants together): values still to be written behind
-    tier = (report.get("cluster") or {}).get("tier") or {}
-    if tier.get("write_behind_pending_bytes", 0):
+    if report.cluster is not None and report.cluster.tier.write_behind_pending_bytes:
         out["(cluster tier)"] = {"write_behind_pending_bytes":
-                                 tier["write_behind_pending_bytes"]}
+                                 report.cluster.tier.write_behind_pending_bytes}
     return out
 
 
