@@ -90,6 +90,7 @@ from ems.integrations.kv_layout import (
     chunk_descs,
     group_kind,
     identity_shape,
+    is_mla,
     leading_identities,
     mirror_shapes,
     write_identities,
@@ -244,8 +245,7 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         self._kinds = [group_kind(spec) for spec in self._specs]
         self._disabled = self._unsupported(groups)
         self._num_layers = sum(len(names) for names in self._group_layers)
-        self._is_mla = bool(self._specs) and all(
-            type(spec).__name__.startswith("MLA") for spec in self._specs)
+        self._is_mla = bool(self._specs) and all(is_mla(spec) for spec in self._specs)
         # Several groups: vLLM takes load failures per request only (block ids are
         # per group), so loads are asynchronous and a failure recomputes the request;
         # a windowed group's blocks may be reused once out of the window, so a save
