@@ -21,6 +21,9 @@ instead of waiting for a reviewer):
   the product);
 * of the demo, ``hosts`` and ``runner`` share their passes through ``passes`` and do
   not import each other's internals (``runner`` starts ``hosts`` by its entry point);
+* of the vLLM connector (``ems.integrations.vllm``), only the façade (``connector``)
+  imports its halves (``scheduler``, ``worker``): the halves never import each other,
+  they meet at ``metadata`` and share ``half``;
 * the daemon does not load the SDK (``import ems.server.daemon`` leaves
   ``ems.client`` unimported, and ``import ems`` is lazy).
 """
@@ -37,6 +40,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src" / "ems"
 CORE = ("errors", "config", "keys", "futures", "client", "pool", "protocol", "server",
         "cluster", "disk", "settings")
+VLLM = "ems.integrations.vllm"
+VLLM_HALVES = (f"{VLLM}.scheduler", f"{VLLM}.worker")
 
 
 def _modules():
@@ -99,6 +104,11 @@ def _violations() -> list[str]:
             if module == "ems.demo.runner" and target == "ems.demo.hosts" and \
                     names != ["run_hosts"]:
                 bad.append(f"{module} imports {target} beyond its entry point run_hosts")
+            halves = [t for t in (target, *(f"{target}.{n}" for n in names))
+                      if t in VLLM_HALVES and t != module]
+            if halves and module != f"{VLLM}.connector":
+                bad.append(f"{module} imports {halves[0]}: only the vLLM connector's "
+                           f"façade imports its halves")
             if area in CORE and target == "ems":
                 public = [n for n in names if not n.startswith("_")]
                 if public or not names:

@@ -79,7 +79,7 @@ def skip_group_after_load(kind: str):
 
     from ems.integrations.kv_layout import NULL_BLOCK
     worker = get_kv_transfer_group()
-    group = [type(spec).__name__ for spec in worker._specs].index(kind)
+    group = [type(spec).__name__ for spec in worker.worker.groups.specs].index(kind)
     original = worker.start_load_kv
 
     def start_load_kv(forward_context, **kwargs):
@@ -88,7 +88,7 @@ def skip_group_after_load(kind: str):
         layers = worker._session._layout[0]
         for t in getattr(meta, "loads", ()):
             ids = [b for b in t.block_ids[group] if b != NULL_BLOCK]
-            for li in worker._layer_groups()[group]:
+            for li in worker.worker.groups.layer_groups()[group]:
                 for tensor in layers[li]:
                     tensor[torch.tensor(ids, dtype=torch.long)] = 0
 

@@ -11,6 +11,7 @@ from ems.integrations.kv_layout import (
     chunk_descs,
     group_kind,
     identity_shape,
+    is_mla,
     leading_identities,
     mirror_shapes,
     write_identities,
@@ -103,3 +104,15 @@ def test_group_kinds_by_exact_type():
     class RSWASpec(FullAttentionSpec):  # a subclass with its own semantics
         pass
     assert group_kind(RSWASpec()) is None
+
+
+def test_mla_by_exact_spec_type():
+    assert is_mla(MLAAttentionSpec()) and not is_mla(FullAttentionSpec())
+
+    class HiddenStateCacheSpec(MLAAttentionSpec):  # vLLM's subclass: another cache
+        pass
+
+    class MLAFutureSpec(FullAttentionSpec):  # a prefix is not a type
+        pass
+    assert not is_mla(HiddenStateCacheSpec()) and not is_mla(MLAFutureSpec())
+    assert mirror_shapes(HiddenStateCacheSpec(), BS, on_cpu=False)[2] is False

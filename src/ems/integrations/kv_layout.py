@@ -16,7 +16,8 @@
 * :func:`mirror_shapes` -- the same per-block shapes from vLLM's KV cache spec alone,
   for the scheduler process, which has no tensors (it registers them on ``meta``).
   The worker checks that its real tensors give these very shapes.
-* :func:`group_kind` -- what ems does with a KV cache group of a kind (below).
+* :func:`group_kind` -- what ems does with a KV cache group of a kind (below);
+  :func:`is_mla` -- whether its layout is MLA's (one latent tensor per layer).
 * :func:`chunk_descs` -- the SDK's chunk_descs of whole blocks, per KV cache group.
 * :func:`identity_shape`, :func:`write_identities`, :func:`leading_identities` -- the
   identity pages: each block's 32-byte digest (``block_keys``) in a small tensor the
@@ -49,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["NULL_BLOCK", "canonical_layer", "chunk_descs", "group_kind", "identity_shape",
-           "leading_identities", "mirror_shapes", "write_identities"]
+           "is_mla", "leading_identities", "mirror_shapes", "write_identities"]
 
 _IDENTITY_BYTES = 32
 
@@ -58,6 +59,7 @@ _IDENTITY_BYTES = 32
 NULL_BLOCK = 0
 _FULL = {"FullAttentionSpec", "MLAAttentionSpec"}
 _WINDOW = {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}
+_MLA = {"MLAAttentionSpec"}
 
 
 def group_kind(spec: Any) -> Optional[str]:
@@ -72,12 +74,18 @@ def group_kind(spec: Any) -> Optional[str]:
     return None
 
 
+def is_mla(spec: Any) -> bool:
+    """Whether a KV cache spec's layers are MLA's ``[blocks, block_size, dim]``: by exact
+    type, as :func:`group_kind` (vLLM's ``MLAAttentionSpec``; a subclass such as its
+    ``HiddenStateCacheSpec`` is another kind of cache, served by neither)."""
+    return type(spec).__name__ in _MLA
+
+
 def mirror_shapes(spec: Any, block_size: int, on_cpu: bool
                   ) -> tuple[list[tuple[int, ...]], Optional[int], bool]:
     """Per-layer per-block tensor shapes the worker registers (without dim 0), the
     opaque page size (or None for paged tensors), and whether it is MLA."""
-    is_mla = type(spec).__name__.startswith("MLA")
-    if is_mla:
+    if is_mla(spec):
         return [(block_size, spec.head_size)], None, True
     if on_cpu:
         return [(spec.num_kv_heads, 2 * block_size, spec.head_size)], block_size, False
