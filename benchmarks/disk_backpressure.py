@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ems.bench.backpressure import backpressure_table
 from ems.bench.report import commit
 from ems.bench.systems import ems_pool
 from ems.bench.trace import BlockValues, _disk_bytes, replay
@@ -101,24 +102,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "infinite_hit_rate": infinite(trace).hit_rate, "rows": rows}
 
 
-def table(d: dict[str, Any]) -> str:
-    """The Markdown table of a run (the benchmarks page renders the same from its JSON,
-    ``scripts/bench_tables.py``)."""
-    out = ["| run | hit rate | × unbounded | saves | left unwritten: evicted / queue full "
-           "| share of saves | saves that waited | requests/s | wrong bytes |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in d["rows"]:
-        u = r["unwritten"]
-        lost = (f"{u.get('evicted_unwritten', 0):,} / {u.get('queue_full', 0):,}"
-                if r["disk"] else "–")
-        share = f"{100 * r['lost_share']:.2f} %" if r["disk"] else "–"
-        x = f"{r['vs_unbounded']:.3f}" if "vs_unbounded" in r else "1"
-        out.append(f"| {r['name']} | {r['hit_rate']:.4f} | {x} | {r['saves']:,} | {lost} | "
-                   f"{share} | {r['save_waits']:,} | {r['requests_per_s']:,.0f} | "
-                   f"{r['wrong_bytes']} |")
-    return "\n".join(out)
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake-format trace")
@@ -140,7 +123,7 @@ def main(argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "disk_backpressure.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
-    print(table(data))
+    print(backpressure_table(data))
     print(f"wrote {path}")
     return 0
 

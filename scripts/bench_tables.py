@@ -9,7 +9,8 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
 (``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/disk_load_breakdown.json``
-(``benchmarks/disk_load_breakdown.py``), ``docs/vllm_ttft_hybrid.json``
+(``benchmarks/disk_load_breakdown.py``), ``docs/disk_backpressure.json``
+(``benchmarks/disk_backpressure.py``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
 (``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``),
 ``docs/sglang_ttft.json`` (``benchmarks/sglang_ttft.py``) and ``docs/bench-trace.json`` /
@@ -286,6 +287,21 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def disk_backpressure(d: dict[str, Any]) -> str:
+    ems = d["ems"]
+    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
+           f"benchmarks/disk_backpressure.py {' '.join(d['argv'])}` ({d['elapsed_s']:.0f} s): "
+           f"the first {d['requests']:,} requests of {d['trace']} ({d['blocks']:,} blocks, "
+           f"{d['distinct']:,} distinct, of {_size(d['block_bytes'])}), one client at the "
+           f"SDK's full speed, shared memory of {d['capacity_blocks']:,} blocks "
+           f"({d['capacity_blocks'] * d['block_bytes'] / 2**20:.1f} MiB) in the disk runs; load "
+           f"average {d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).",
+           ""]
+    from ems.bench.backpressure import backpressure_table
+    return "\n".join(out) + "\n" + backpressure_table(d)
+
+
 def trace_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
     commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
@@ -411,6 +427,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "disk-recovery": ("bench-disk.json", disk_recovery),
     "disk-targets": ("bench-disk.json", disk_targets),
     "disk-load-breakdown": ("disk_load_breakdown.json", disk_load_breakdown),
+    "disk-backpressure": ("disk_backpressure.json", disk_backpressure),
     "vllm-ttft-hybrid": ("vllm_ttft_hybrid.json", vllm_ttft),
     "kv-events": ("kv_events.json", kv_events),
     "netns-cross-host": ("netns.json", netns_cross_host),

@@ -57,6 +57,10 @@ free space the next smaller ones take (99% of such a pool live). Pinned objects
 (readers, the disk tier's write-behind), reservations and leases are never in a
 window.
 
+Objects a tier behind the pool has yet to write (``mark_unwritten``) are the policy's
+last victims (``ems.pool.eviction``), and a reserve or lease with ``spare_unwritten``
+takes none of them (FULL instead: the daemon's save then waits for the writer).
+
 A lease is drawn from free space, or from the place of the LRU victim when that one
 object (with the free space beside it) is as large as a lease (``lease``): the victim
 the next reservation would evict, so LRU stays exact. On a pool full of objects

@@ -11,7 +11,11 @@ an index checkpointed every ``checkpoint_s``). The SDK's calls do not change:
   per I/O, gathered where they lie), so the write costs no copy beyond the disk's own.
   Writes in flight are
   bounded (``inflight``, 64 MiB), and so are the bytes waiting (``queue``, 1 GiB; past
-  it a save is not written to disk, counted as ``queue_dropped``).
+  it a save is not written to disk, counted as ``queue_dropped``). Objects waiting are
+  evicted from shared memory only after every object already on disk, and a save that
+  finds shared memory full of them waits up to ``save_wait_ms`` for the writer
+  (back-pressure: ``ems.server.tier_driver``; what is not written out anyway is
+  counted by reason, ``unwritten``).
 * **Loads.** Lookups go shared memory -> disk -> cluster. A load's keys that shared
   memory misses and the disk index has are read (in parallel, one worker each) into
   reserved pool space, checked, committed, then pinned for the client like any local
