@@ -86,7 +86,12 @@ def _disk_lines(report: DaemonReport, disk: DiskReport) -> list[str]:
              f"{disk.recovery_s:.3f} s ({'scan skipped' if disk.scan_skipped else 'scanned'}"
              f"), {disk.records_dropped_damaged} dropped as damaged; "
              f"{disk.checkpoints} checkpoint(s)"]
-    if disk.admissions_refused or disk.queue_dropped:
+    unwritten = {k: v for k, v in disk.unwritten.items() if v}
+    if unwritten or disk.save_waits:  # (an older daemon sends no such counters)
+        lines.append("  not written: " + (", ".join(
+            f"{k} {v}" for k, v in sorted(unwritten.items())) or "none") +
+            f"; {disk.save_waits} save(s) waited for the writer")
+    elif disk.admissions_refused or disk.queue_dropped:
         parts = [f"{k} {v}" for k, v in sorted(disk.admissions_refused.items())]
         if disk.queue_dropped:
             parts.append(f"queue_full {disk.queue_dropped}")

@@ -174,3 +174,23 @@ def test_past_save_wait_s_a_save_evicts_an_unwritten_object_and_counts_it(world)
             .unwritten["evicted_unwritten"] == 1)
     assert driver.statistics().unwritten["evicted_unwritten"] == 1
     assert sorted(engine.written) == sorted(set("abcd") - gone)
+
+
+def test_ems_stats_says_what_was_not_written_and_why():
+    from ems.protocol.report import DaemonReport, DiskReport
+    from ems.stats import format_report
+
+    server = {"version": "t", "socket": "s", "pid": 1, "uptime_s": 1.0, "connections": 1,
+              "capacity_bytes": 1 << 20, "tenants": 0, "anonymous": True}
+    disk = DiskReport(path="/d", admission="all", save_waits=22,
+                      unwritten={"queue_full": 0, "evicted_unwritten": 63, "caller": 4})
+    report = DaemonReport.from_wire({"server": server, "tenants": {},
+                                     "disk": disk.to_wire()})
+    assert report.disk is not None and report.disk.unwritten["evicted_unwritten"] == 63
+    line = next(x for x in format_report(report).splitlines() if "not written" in x)
+    assert line.split(": ", 1)[1] == ("caller 4, evicted_unwritten 63; 22 save(s) waited "
+                                      "for the writer")
+    old = DiskReport(path="/d", admission="all", queue_dropped=3)  # an older daemon's
+    text = format_report(DaemonReport.from_wire({"server": server, "tenants": {},
+                                                 "disk": old.to_wire()}))
+    assert "not admitted: queue_full 3" in text
