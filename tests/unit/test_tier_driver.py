@@ -294,3 +294,48 @@ def test_a_value_larger_than_the_bound_goes_alone_only_with_a_queue(world):
     loop.run_until(lambda: with_queue.statistics().writes == 1)
     assert queued.values == {"a": _value("a")} and queueless.values == {}
     assert without.statistics().dropped == 1
+
+
+class ChunkEngine(DictEngine):
+    """Writes in batches, a chunk at most ``write_chunk_bytes``; records each batch and
+    how many ran at once."""
+
+    batch_writes: ClassVar[bool] = True
+
+    def __init__(self, chunk: int) -> None:
+        super().__init__()
+        self.write_chunk_bytes = chunk
+        self.batches: list[list[str]] = []
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
+                    deadline: Optional[float]) -> list[Written]:
+        with self._lock:
+            self.batches.append([s.key for s in sources])
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            assert self.write_gate.wait(10)
+            return [self.write(tenant, s, deadline) for s in sources]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_save_larger_than_the_write_chunk_is_written_in_chunks_side_by_side(world):
+    tenant, maps, loop, make = world
+    engine = ChunkEngine(chunk=2 * SIZE)
+    engine.write_gate.clear()
+    driver = make(engine, write_workers=3)
+    keys = [f"k{i}" for i in range(5)]
+    for key in keys:
+        _save(tenant, maps, key)
+    driver.stored(tenant, keys, [SIZE] * 5)  # one save: one write-out of 5 values
+    loop.run_until(lambda: engine.running == 3)  # its three chunks at once
+    assert engine.batches == [["k0", "k1"], ["k2", "k3"], ["k4"]]
+    assert driver.statistics().inflight_bytes == 5 * SIZE
+    engine.write_gate.set()
+    loop.run_until(lambda: driver.statistics().writes == 5)
+    loop.run_until(lambda: driver.statistics().inflight_bytes == 0)
+    assert engine.values == {k: _value(k) for k in keys} and engine.most == 3

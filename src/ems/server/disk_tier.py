@@ -124,6 +124,9 @@ class DiskEngine(Engine):
         self.store.open()  # recovery runs in the background from here
         self.admission = SecondHit() if config.admission == "second-hit" else AdmitAll()
         self._pool_capacity = max(1, pool_capacity_bytes)
+        #: a save larger than one write buffer is written in write buffers side by
+        #: side, one per writer, instead of one buffer after the other
+        self.write_chunk_bytes = config.write_buffer_bytes
 
     def usable(self) -> bool:
         return self.store.state is not DiskState.OFF

@@ -172,6 +172,9 @@ class Engine:
     parallel_reads: ClassVar[bool] = True
     #: a save's keys written out in one batch (True) or each on its own (False)
     batch_writes: ClassVar[bool] = False
+    #: a batch larger than this goes to the writers in chunks of about this many
+    #: bytes, written side by side (None: in one piece)
+    write_chunk_bytes: Optional[int] = None
     admission: Admission = AdmitAll()
 
     def usable(self) -> bool:
@@ -635,7 +638,19 @@ class TierDriver(Tier):
             self._inflight_per_tenant.get(tenant.name, 0) + held)
         out_s = self.settings.write_out_s
         deadline = None if out_s is None else time.monotonic() + out_s
+        # A save larger than the engine's write chunk goes to the writers in chunks,
+        # written side by side (the device's queue depth), each unpinned when done.
+        chunk = engine.write_chunk_bytes or held
+        start = size = 0
+        for i, pin in enumerate(pins):
+            if i > start and size + pin.size > chunk:
+                self._write_chunk(tenant, keys[start:i], pins[start:i], size, deadline)
+                start, size = i, 0
+            size += pin.size
+        self._write_chunk(tenant, keys[start:], pins[start:], size, deadline)
 
+    def _write_chunk(self, tenant: Tenant, keys: list[str], pins: list[Pin], held: int,
+                     deadline: Optional[float]) -> None:
         def written(outcomes: list[Written]) -> None:
             tenant.pool.release([pin.token for pin in pins], self._write_owner)
             self._inflight_bytes -= held
