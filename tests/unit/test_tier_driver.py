@@ -27,14 +27,17 @@ from ems.server.tier_driver import (
     TierDriver,
     Written,
 )
+from ems.testing.clock import FakeClock
 
 SIZE = 1000
 
 
 class HandLoop:
-    """The daemon's loop as the driver sees it, run by the test (``run_until``)."""
+    """The daemon's loop as the driver sees it, run by the test (``run_until``), its
+    timers on ``clock`` (the test moves it: ``ems.testing.clock.FakeClock``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
         self._at: list[tuple[float, Callable[[], None]]] = []
         self._lock = threading.Lock()
@@ -56,7 +59,7 @@ class HandLoop:
         while not done():
             assert time.monotonic() < end, "the driver never got there"
             self.drain()
-            now = time.monotonic()
+            now = self.clock()
             with self._lock:
                 due = [fn for when, fn in self._at if when <= now]
                 self._at = [(w, fn) for w, fn in self._at if w > now]
@@ -116,12 +119,14 @@ def world():
     tenant = Tenant(TenantSpec(None, None, 1 << 20), 60.0)
     maps = SegmentMaps()
     made: list[TierDriver] = []
-    loop = HandLoop()
+    clock = FakeClock()
+    loop = HandLoop(clock)
 
     def make(engine: Engine, **settings) -> TierDriver:
         settings.setdefault("read_workers", 2)
         settings.setdefault("write_workers", 2)
-        driver = TierDriver(engine, loop, DriverSettings(**settings), lambda: [tenant])
+        driver = TierDriver(engine, loop, DriverSettings(**settings), lambda: [tenant],
+                            clock=clock)
         made.append(driver)
         return driver
     yield tenant, maps, loop, make
@@ -191,8 +196,13 @@ def test_a_read_past_its_deadline_is_answered_then_given_back(world):
     engine.read_gate.clear()
     driver = make(engine)
     done: list[bool] = []
-    assert driver.fill(tenant, ["a"], None, time.monotonic() + 0.05, lambda: done.append(True))
-    loop.run_until(lambda: bool(done))  # by the deadline, the read still running
+    clock = loop.clock
+    assert driver.fill(tenant, ["a"], None, clock() + 0.05, lambda: done.append(True))
+    loop.run_until(lambda: engine.reads == ["a"])  # the read has begun (and is stuck)
+    loop.drain()
+    assert not done  # before the deadline: no answer
+    clock.now += 0.05
+    loop.run_until(lambda: bool(done))  # at the deadline, the read still running
     assert tenant.pool.exists(["a"]) == 0 and tenant.pool.statistics().reserved == 1
     assert driver.statistics().read_timeouts == 1
     engine.read_gate.set()

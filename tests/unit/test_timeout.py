@@ -54,14 +54,13 @@ def test_load_timeout_raises_and_writes_nothing_afterwards(cc, slow_copy, idle):
     assert info.value.status_code() is EmsErrorCode.EMS_IO_TIMEOUT
     assert "timeout=50" in info.value.message()
     assert elapsed < 0.4, elapsed  # stopped at the next checkpoint, not at the end
-    time.sleep(0.5)
+    idle(cc)  # the pin was given back: the copy has stopped (EmbeddedTransport.load)
     for now, then in zip(out, at_raise):
         assert np.array_equal(now, then)  # no late writes
     # what was written is a prefix of the value, never foreign bytes
     written = [i for i, o in enumerate(out) if o.any()]
     assert written == list(range(len(written))) and len(written) < N_BUFFERS
     assert all(np.array_equal(out[i], parts[i]) for i in written)
-    idle(cc)  # the pin was given back
 
 
 def test_async_load_timeout_through_the_future(cc, slow_copy, idle):
@@ -77,11 +76,10 @@ def test_async_load_timeout_through_the_future(cc, slow_copy, idle):
         cc.get_result(fut)
     assert info.value.status_code() is EmsErrorCode.EMS_IO_TIMEOUT
     at_raise = [o.copy() for o in out]
-    time.sleep(0.5)
+    idle(cc)  # the copy has stopped
     assert all(np.array_equal(a, b) for a, b in zip(out, at_raise))
     with pytest.raises(EmsException):  # the outcome is stable
         fut.result()
-    idle(cc)
 
 
 def test_save_timeout_stores_nothing(cc, slow_copy, idle):
@@ -199,8 +197,7 @@ def test_v1_timeout_writes_nothing_into_the_cache_afterwards(make_cc, monkeypatc
         cc.load(list(range(4 * bs, 6 * bs)), [1, 2], [bs, bs], CcKvOption(timeout=50))
     assert info.value.status_code() is EmsErrorCode.EMS_IO_TIMEOUT
     at_raise = [t.clone() for layer in caches for t in layer]
-    time.sleep(0.5)
+    idle(cc)  # the pins were given back: the mover has stopped
     now = [t for layer in caches for t in layer]
     assert all(torch.equal(a, b) for a, b in zip(now, at_raise))
     assert not now[-1].any()  # the last tensor's step never ran
-    idle(cc)

@@ -65,7 +65,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import ClassVar, Optional, Sequence
+import time
+from typing import Callable, ClassVar, Optional, Sequence
 
 from ems.cluster import value
 from ems.cluster.client import ClusterClient, Op
@@ -162,9 +163,11 @@ class ClusterEngine(Engine):
         self.client.close()
 
 
-def start(config: ServerConfig, loop: Loop, workers: int = 4) -> TierDriver:
-    """The tier of a daemon's ``config`` (``cluster`` set); raises RuntimeError when it
-    cannot run (the checksum package missing)."""
+def start(config: ServerConfig, loop: Loop, workers: int = 4,
+          clock: Callable[[], float] = time.monotonic) -> TierDriver:
+    """The tier of a daemon's ``config`` (``cluster`` set), its deadlines on ``clock``
+    (the daemon's); raises RuntimeError when it cannot run (the checksum package
+    missing)."""
     from ems.cluster.topology import parse_url
     assert config.cluster is not None
     settings = parse_url(config.cluster, config.cluster_ca_file,
@@ -178,7 +181,7 @@ def start(config: ServerConfig, loop: Loop, workers: int = 4) -> TierDriver:
         max_op_s=min(settings.op_timeout_s, config.reservation_ttl_s / 2),
         write_out_s=settings.op_timeout_s,
         inflight_bytes=config.cluster_write_behind_bytes, queue_bytes=0,
-        bound_setting="--cluster-write-behind"))
+        bound_setting="--cluster-write-behind"), clock=clock)
     logger.info("ems-server: cluster tier on %s (%s), write-behind bound %d MiB",
                 ",".join(f"{h}:{p}" for h, p in settings.seeds),
                 "TLS" if settings.tls else "plain TCP", config.cluster_write_behind_bytes >> 20)

@@ -269,7 +269,7 @@ class ControlSync:
                 continue
             try:
                 tenant = Tenant(TenantSpec(access_id, None, quota),
-                                self.config.reservation_ttl_s)
+                                self.config.reservation_ttl_s, clock=self.daemon.clock)
             except OSError as exc:
                 refused[access_id] = f"cannot make its {quota}-byte segment: {exc.strerror}"
                 continue

@@ -96,6 +96,10 @@ class Daemon:
     def __init__(self, config: ServerConfig, registry: TenantRegistry) -> None:
         self.config = config
         self.registry = registry
+        #: the one clock of the daemon's decisions, the registry's (its pools' TTLs):
+        #: the handlers' deadlines, the tiers', the timers of :meth:`call_at`, the
+        #: handshake timeout (``time.monotonic``; a test's ``FakeClock``)
+        self.clock = clock = registry.clock
         self.path = config.socket_path
         self._epoll = select.epoll()
         self._by_fd: dict[int, Any] = {}  # fd -> "listen", "wake" or its Session
@@ -109,7 +113,7 @@ class Daemon:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._stopping = False
-        self._started = time.monotonic()
+        self._started = clock()
         self._tick_s = max(0.05, min(1.0, config.reservation_ttl_s / 4))
         #: called on the loop: after a :meth:`wake` / at each tick (control sync, metrics)
         self.wake_hooks: list[Callable[[], None]] = []
@@ -143,7 +147,7 @@ class Daemon:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timers_lock = threading.Lock()
         self._timer_seq = 0
-        self.handlers = Handlers(self.limits, (), self, self.refused)
+        self.handlers = Handlers(self.limits, (), self, self.refused, clock=clock)
 
     # ------------------------------------------------------------ start / stop
     def start(self) -> None:
@@ -193,8 +197,8 @@ class Daemon:
             if events is not None:
                 self.observers = [events]
             self.handlers = Handlers(self.limits, self.tiers, self, self.refused,
-                                     self.observers)
-        self._started = time.monotonic()
+                                     self.observers, clock=self.clock)
+        self._started = self.clock()
 
     def _start_tiers(self, events: Optional[TierEvents]) -> list[Tier]:
         """The tiers of ``config``, in lookup order: disk, then cluster (``events``:
@@ -204,10 +208,10 @@ class Daemon:
             if self.config.disk is not None:
                 from ems.server import disk_tier
                 tiers.append(disk_tier.start(self.config, self, lambda: iter(self.registry),
-                                             events))
+                                             events, clock=self.clock))
             if self.config.cluster:
                 from ems.server import cluster_tier
-                tiers.append(cluster_tier.start(self.config, self))
+                tiers.append(cluster_tier.start(self.config, self, clock=self.clock))
         except RuntimeError as exc:
             for tier in tiers:
                 tier.close()
@@ -292,6 +296,8 @@ class Daemon:
         poll, spin_s = self._epoll.poll, self.config.spin_us / 1e6
         listener = self._listener
         try:
+            # the tick is the loop's heartbeat, in real time; what it decides (expired
+            # reservations, late handshakes) is on ``self.clock``
             next_tick = time.monotonic() + self._tick_s
             busy_until = 0.0  # busy-poll until then (``spin_us`` after the last event)
             while not self._stopping:
@@ -303,8 +309,9 @@ class Daemon:
                     wake_at = next_tick
                     if listener.paused_until:
                         wake_at = min(wake_at, listener.paused_until)
-                    if self._timers:
-                        wake_at = min(wake_at, self._timers[0][0])
+                    if self._timers:  # (due on the daemon's clock: the time left)
+                        wake_at = min(wake_at, time.monotonic() +
+                                      self._timers[0][0] - self.clock())
                     events = poll(max(0.0, wake_at - time.monotonic()))
                 if spin_s and events:
                     busy_until = time.monotonic() + spin_s
@@ -315,7 +322,7 @@ class Daemon:
                 if listener.paused_until:
                     listener.resume_if_due(time.monotonic())
                 if self._timers:
-                    self._run_due(time.monotonic())
+                    self._run_due(self.clock())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + self._tick_s
@@ -406,7 +413,7 @@ class Daemon:
         if freed:
             logger.info("ems-server: freed %d reservation(s) older than %.1f s (writer gone "
                         "or stuck)", freed, self.config.reservation_ttl_s)
-        limit = time.monotonic() - self.limits.handshake_timeout_s
+        limit = self.clock() - self.limits.handshake_timeout_s
         for conn in list(self._conns.values()):
             if conn.phase in (Phase.HELLO, Phase.AUTH) and conn.opened_at < limit:
                 self._fail(conn, EmsException(EmsErrorCode.EMS_IO_TIMEOUT,
@@ -419,7 +426,7 @@ class Daemon:
                 continue
             self._per_uid[uid] += 1
             self._ids += 1
-            conn = Session(self._ids, sock, pid, uid, time.monotonic())
+            conn = Session(self._ids, sock, pid, uid, self.clock())
             self._conns[conn.id] = conn
             self._watch(sock, conn)
             logger.debug("ems-server: %s opened", conn)
@@ -679,7 +686,7 @@ class Daemon:
         from ems._version import __version__
         server = ServerRow(
             pid=os.getpid(), version=__version__, protocol=PROTOCOL_VERSION,
-            socket=self.path, uptime_s=round(time.monotonic() - self._started, 3),
+            socket=self.path, uptime_s=round(self.clock() - self._started, 3),
             connections=len(self._conns), capacity_bytes=self.config.capacity_bytes,
             anonymous=self.registry.anonymous is not None,
             tenants=len(self.registry.named()),

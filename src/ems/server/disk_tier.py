@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 from ems.disk import DiskSettings, DiskState, DiskStore, DiskStoreLocked, ReadResult, WriteResult
@@ -271,10 +272,11 @@ class DiskEngine(Engine):
 
 
 def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenant]],
-          events: Optional[TierEvents] = None) -> TierDriver:
+          events: Optional[TierEvents] = None,
+          clock: Callable[[], float] = time.monotonic) -> TierDriver:
     """The disk tier of a daemon's ``config`` (``disk`` set), telling ``events`` (KV
-    events) what it stores and removes; RuntimeError when its directory is taken by
-    another daemon."""
+    events) what it stores and removes, its deadlines on ``clock`` (the daemon's);
+    RuntimeError when its directory is taken by another daemon."""
     disk = config.disk
     assert disk is not None
     try:
@@ -286,7 +288,7 @@ def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenan
         max_op_s=config.reservation_ttl_s / 2, inflight_bytes=disk.inflight_bytes,
         tenant_share=0.25, queue_bytes=disk.queue_bytes, bound_setting="disk.queue",
         save_wait_s=disk.save_wait_ms / 1000,
-        flush_on_stop_s=disk.flush_on_stop_s), tenants)
+        flush_on_stop_s=disk.flush_on_stop_s), tenants, clock=clock)
     logger.info("ems-server: disk tier in %s: capacity %d MiB, admission %s, checkpoint "
                 "every %g s", disk.path, disk.capacity_bytes >> 20, disk.admission,
                 disk.checkpoint_s)

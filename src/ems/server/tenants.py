@@ -166,11 +166,15 @@ class Tenant:
 class TenantRegistry:
     """All namespaces of the daemon, and who may enter which."""
 
-    def __init__(self, specs: Iterable[TenantSpec], reservation_ttl_s: float) -> None:
+    def __init__(self, specs: Iterable[TenantSpec], reservation_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: the daemon's one clock: its pools' reservation TTLs, its handlers' deadlines,
+        #: its tiers' (``ems.server.daemon.Daemon`` takes it from here)
+        self.clock = clock
         self._by_id: dict[Optional[str], Tenant] = {}
         try:
             for spec in specs:
-                self._by_id[spec.access_id] = Tenant(spec, reservation_ttl_s)
+                self._by_id[spec.access_id] = Tenant(spec, reservation_ttl_s, clock=clock)
         except BaseException:
             self.close()
             raise

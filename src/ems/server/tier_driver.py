@@ -13,7 +13,9 @@ tier seam (``ems.server.tiers.Tier``) for one engine and owns:
   a write-out to a slow disk or a hung node;
 * **deadlines**: a request's deadline, capped by ``max_op_s`` (a fetch writes into a
   reservation, which must not expire under it: at most half the reservation TTL),
-  kept by the daemon's loop (:meth:`Loop.call_at`), not by a thread of its own;
+  kept by the daemon's loop (:meth:`Loop.call_at`), not by a thread of its own, on the
+  clock the driver is given (the daemon's; a test's ``ems.testing.clock.FakeClock``);
+  the engine, on its threads, gets the same time left in ``time.monotonic``;
 * **fetches** into shared memory: planning and de-duplication, commit and abort
   (``ems.server.fetches.FetchBook``), transfers still running at the deadline;
 * **write-out**: admission (:class:`Admission`, a small policy), the bytes waiting
@@ -342,7 +344,10 @@ class TierDriver(Tier):
                  tenants: Callable[[], Iterable[Tenant]] = lambda: (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
-        #: monotonic seconds of the saves' waits (the daemon's; a test's FakeClock)
+        #: monotonic seconds of the driver's own decisions: deadlines, their timers on
+        #: the loop, the saves' waits (the daemon's clock; a test's FakeClock). The
+        #: engine runs on threads against real time: it is handed deadlines in
+        #: ``time.monotonic`` (:meth:`_engine_deadline`)
         self._clock = clock
         self.settings = settings
         self.name = engine.name  # type: ignore[misc]
@@ -380,9 +385,16 @@ class TierDriver(Tier):
         return not self._closed and self.engine.usable()
 
     def _deadline(self, deadline: Optional[float]) -> float:
-        """A request's deadline, capped by ``max_op_s``."""
-        cap = time.monotonic() + self.settings.max_op_s
+        """A request's deadline (on the driver's clock), capped by ``max_op_s``."""
+        cap = self._clock() + self.settings.max_op_s
         return cap if deadline is None else min(deadline, cap)
+
+    def _engine_deadline(self, deadline: float) -> float:
+        """``deadline`` on the driver's clock as the engine sees it: ``time.monotonic``
+        seconds (the same time left), for the I/O it bounds on its own threads."""
+        if self._clock is time.monotonic:
+            return deadline
+        return time.monotonic() + (deadline - self._clock())
 
     def _warn(self, reason: str, message: str) -> None:
         log = self._warnings.get(reason)
@@ -399,8 +411,10 @@ class TierDriver(Tier):
     def _when_ready(self, deadline: float, then: Callable[[], None]) -> None:
         """Run ``then`` on the loop once the engine is ready or ``deadline`` passed
         (the wait happens on a reader, never on the loop)."""
+        left_s = deadline - self._clock()  # (measured now, on the driver's clock)
+
         def wait() -> None:
-            self.engine.wait_ready(deadline - time.monotonic())
+            self.engine.wait_ready(max(0.0, left_s))
             self._loop.call_soon(then)
         self._readers.submit(wait)
 
@@ -454,6 +468,7 @@ class TierDriver(Tier):
         left = [len(reserved)]
         finished = [False]
         lock = threading.Lock()
+        engine_deadline = self._engine_deadline(deadline)
 
         def finish() -> None:  # on the loop: the last read returned, or the deadline
             with lock:
@@ -482,7 +497,7 @@ class TierDriver(Tier):
                     views.append(self._memory.view(tenant, grant.offset, grant.size))
                 outcomes = engine.read_batch(
                     tenant, [Target(reserved[i].key, v) for i, v in zip(indexes, views)],
-                    deadline)
+                    engine_deadline)
             except Exception:  # noqa: BLE001 - a bug is a miss, never a stuck request
                 logger.exception("ems %s: a read failed", engine.name)
                 outcomes = [ReadOutcome.IO_ERROR] * len(indexes)
@@ -526,10 +541,12 @@ class TierDriver(Tier):
             done(len(run))
             return
 
+        engine_deadline = self._engine_deadline(deadline)
+
         def probe() -> None:
             started = time.monotonic()
             try:
-                present = self.engine.probe(tenant, keys, sizes, deadline)
+                present = self.engine.probe(tenant, keys, sizes, engine_deadline)
             except Exception:  # noqa: BLE001 - the answer still comes (none present)
                 logger.exception("ems %s: a probe failed", self.engine.name)
                 present = []
@@ -637,7 +654,7 @@ class TierDriver(Tier):
         self._inflight_per_tenant[tenant.name] = (
             self._inflight_per_tenant.get(tenant.name, 0) + held)
         out_s = self.settings.write_out_s
-        deadline = None if out_s is None else time.monotonic() + out_s
+        deadline = None if out_s is None else self._clock() + out_s
         # A save larger than the engine's write chunk goes to the writers in chunks,
         # written side by side (the device's queue depth), each unpinned when done.
         chunk = engine.write_chunk_bytes or held
@@ -697,6 +714,7 @@ class TierDriver(Tier):
         """Write each key from its pool memory on a writer; count, then ``then`` on the
         loop (a failure is an outcome, never a stuck pin)."""
         engine = self.engine
+        engine_deadline = None if deadline is None else self._engine_deadline(deadline)
 
         def job() -> None:
             started = time.monotonic()
@@ -706,7 +724,7 @@ class TierDriver(Tier):
                 for e in extents:
                     views.append(self._memory.view(tenant, e.offset, e.size))
                 outcomes = engine.write_batch(
-                    tenant, [Target(k, v) for k, v in zip(keys, views)], deadline)
+                    tenant, [Target(k, v) for k, v in zip(keys, views)], engine_deadline)
             except Exception:  # noqa: BLE001 - a bug is a write not done
                 logger.exception("ems %s: a write failed", engine.name)
                 outcomes = [Written(False, "io_error")] * len(keys)
@@ -772,6 +790,7 @@ class TierDriver(Tier):
             return
         self._closed = True
         if self.settings.flush_on_stop_s > 0 and self.engine.usable() and self.engine.ready():
+            # real time, not the driver's clock: the stop blocks on the writers' threads
             self._flush(time.monotonic() + self.settings.flush_on_stop_s)
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True)
