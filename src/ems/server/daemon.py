@@ -130,6 +130,9 @@ class Daemon:
                                "max_str_len": 4 * limits.max_key_bytes,
                                "max_bin_len": 4096, "max_map_len": 64, "max_ext_len": 0}
         self._per_uid: collections.Counter = collections.Counter()
+        #: what serves a request of a ready connection: :meth:`_request`, or that
+        #: timed (:meth:`enable_request_timing`); chosen once, not tested per request
+        self._serve: Callable[[Session, type[m.Message], list[Any]], None] = self._request
         #: the tiers beyond shared memory, in lookup order (started with the daemon)
         self.tiers: list[Tier] = []
         #: the KV events publisher (``--kv-events``), bound by ``main``; an observer
@@ -274,15 +277,15 @@ class Daemon:
     def enable_request_timing(self, observe: Callable[[type, float], None]) -> None:
         """Time each request: ``observe(message class, seconds)`` after it (metrics);
         off unless called, so the loop pays nothing for it by default."""
-        serve = Daemon._request
+        serve = self._request
 
-        def timed(conn: Session, cls: type, v: list[Any]) -> None:
+        def timed(conn: Session, cls: type[m.Message], v: list[Any]) -> None:
             t0 = time.perf_counter()
             try:
-                serve(self, conn, cls, v)
+                serve(conn, cls, v)
             finally:
                 observe(cls, time.perf_counter() - t0)
-        self._request = timed  # type: ignore[method-assign]
+        self._serve = timed
 
     def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT or :meth:`request_stop`, then clean up."""
@@ -462,7 +465,7 @@ class Daemon:
         try:
             for cls, v in proto.receive(data):
                 if proto.phase is Phase.READY:
-                    self._request(conn, cls, v)
+                    self._serve(conn, cls, v)
                 else:
                     self._handshake(conn, cls, v)
             if proto.phase is Phase.CLOSED:
