@@ -59,7 +59,7 @@ N keys at two round trips (reserve, commit), one through the lease (put), and a 
 at one plus a one-way release.
 
 A small save takes one round trip: the client writes into its connection's LEASE
-(pool space it owns, :func:`lease_bytes` of the pool) without asking, and ``Put``
+(pool space it owns, of the size ``Welcome.lease_size`` announced) without asking, and ``Put``
 carves each written range into a committed key (or frees it: EXISTS/BUSY); ``Return``
 gives back ranges it will not put (an aborted save, the tail of a used-up lease), and
 ``want_lease`` asks for a fresh lease with the reply. The daemon only accepts ranges
@@ -120,7 +120,6 @@ __all__ = [
     "Welcome",
     "auth_mac",
     "from_wire",
-    "lease_bytes",
     "wire_class",
 ]
 
@@ -434,12 +433,6 @@ def wire_class(obj: object) -> type[Message]:
     if cls is None:
         raise _bad(f"unknown message type {obj[0]}")
     return cls
-
-
-def lease_bytes(capacity_bytes: int) -> int:
-    """Size of a connection's lease in a pool of ``capacity_bytes`` (both sides compute
-    it: the client goes to the daemon for a lease only for a save that would fit)."""
-    return max(0, min(1 << 20, capacity_bytes // 64)) // 64 * 64
 
 
 def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:

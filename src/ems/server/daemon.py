@@ -61,7 +61,7 @@ from ems.protocol.connection import Phase, ServerConnection
 from ems.protocol.framing import DecodeLimitExceeded
 from ems.protocol.report import DaemonReport, ServerRow, TenantRow, TenantTiers, WireRow
 from ems.server.config import Limits, ServerConfig
-from ems.server.handlers import Handlers
+from ems.server.handlers import Handlers, lease_bytes
 from ems.server.listener import Listener, ListenError
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.session import Session
@@ -645,7 +645,7 @@ class Daemon:
                                 segment_size=tenant.segment_size, reservation_ttl_s=ttl,
                                 server=server, max_keys=max_keys,
                                 align=pool.allocator.alignment,
-                                lease_size=m.lease_bytes(pool.capacity_bytes))
+                                lease_size=lease_bytes(pool.capacity_bytes))
             fds = (tenant.fd,)
         self._send_frame(conn, conn.proto.welcome(welcome, self.limits.max_frame_bytes,
                                                   self._unpack_limits), fds)
