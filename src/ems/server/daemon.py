@@ -32,7 +32,7 @@ Every resource a client can make the daemon hold is bounded (``ServerConfig.limi
 :class:`~ems.server.config.Limits`): here, bytes buffered in partial frames across all
 connections (the connection that goes over is closed), connections per uid (at accept)
 and per tenant (at hello); the per-request bounds (keys, pins, leases) are the
-handlers'. Each refusal is counted (``report()["server"]["refused"]``).
+handlers'. Each refusal is counted (``statistics().server.refused``).
 
 The listening socket (taking the path, accept under fd pressure with a backoff) is
 ``ems.server.listener``.
