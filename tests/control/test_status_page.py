@@ -118,6 +118,7 @@ def test_status_page_renders_the_reported_numbers(tmp_path, control, daemons):
         assert cells[(None, "team-b", "hit-rate-local")] == "-"  # no lookups yet
         assert cells[("host-1", "team-a", "misses")] == "2 (2 / 0 / 0)"
         assert cells[("host-1", "team-a", "connections")] == "1"
+        assert cells[("host-1", "team-a", "hit-rate-local")] == "75.0%"  # the row's hit_rate
         shot = tmp_path / "status.png"
         chromium(tmp_path, url, "--hide-scrollbars", "--window-size=1280,820",
                  f"--screenshot={shot}")

@@ -21,6 +21,7 @@ from ems.client.session import Session
 from ems.futures import Task
 from ems.keys import v0_storage_keys
 from ems.protocol import messages as m
+from ems.server.handlers import lease_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +34,9 @@ def save(cc, keys, size, data=None):
 
 
 def test_lease_size_rule():
-    assert m.lease_bytes(64 << 20) == LEASE
-    assert m.lease_bytes(8 << 20) == 128 << 10
-    assert m.lease_bytes(1000) == 0
+    assert lease_bytes(64 << 20) == LEASE
+    assert lease_bytes(8 << 20) == 128 << 10
+    assert lease_bytes(1000) == 0
 
 
 def test_a_lease_save_is_visible_to_another_process_at_return(cc, server, workers):

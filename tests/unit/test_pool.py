@@ -159,6 +159,23 @@ def test_lru_eviction_when_full(pool):
     assert pool.statistics().evictions == 1
 
 
+def test_the_pool_evicts_the_victims_of_the_policy_it_was_given(clock):
+    class NewestFirst(LruPolicy):
+        def pop_victim(self):
+            key = next(reversed(self._order), None)
+            if key is not None:
+                self.remove(key)
+            return key
+
+    pool = Pool(64 * 16, clock=clock, policy=NewestFirst)
+    for i in range(16):
+        put(pool, i)
+    put(pool, "new")
+    assert 15 not in pool.keys() and 0 in pool.keys() and "new" in pool.keys()
+    assert Pool(64, clock=clock)._policy is not Pool(64, clock=clock)._policy
+    pool.allocator.check()
+
+
 def test_reserve_of_an_existing_key_refreshes_it(pool):
     for i in range(16):
         put(pool, i)

@@ -72,6 +72,7 @@ from ems.disk.records import (
     record_span,
 )
 from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
+from ems.protocol.report import DaemonReport, DiskReport
 from ems.server.config import DiskConfig
 
 __all__ = ["SIZES", "add_arguments", "checkpoint_load", "device_limit", "main", "run",
@@ -295,19 +296,23 @@ class _TierDaemon:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
             shutil.rmtree(self.disk_dir, ignore_errors=True)  # the next size starts empty
 
-    def report(self) -> dict[str, Any]:
-        return server_report(os.path.join(self.sock_dir, PoolSettings.SOCKET_NAME), 10)
+    def report(self) -> DaemonReport:
+        return DaemonReport.from_wire(server_report(
+            os.path.join(self.sock_dir, PoolSettings.SOCKET_NAME), 10))
 
-    def disk(self) -> dict[str, Any]:
-        d: dict[str, Any] = self.report()["disk"]
+    def disk(self) -> DiskReport:
+        """The daemon's disk tier report (it runs with ``--disk``: always there)."""
+        d = self.report().disk
+        if d is None:
+            raise RuntimeError("ems-server sent no disk report (not run with --disk?)")
         return d
 
-    def settle(self, timeout_s: float = 300) -> dict[str, Any]:
+    def settle(self, timeout_s: float = 300) -> DiskReport:
         """Wait until nothing waits or runs for the disk; its report then."""
         deadline = time.monotonic() + timeout_s
         while True:
             d = self.disk()
-            if not d["queued_write_bytes"] and not d["inflight_write_bytes"]:
+            if not d.queued_write_bytes and not d.inflight_write_bytes:
                 return d
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the disk tier did not settle within {timeout_s} s: {d}")
@@ -355,7 +360,7 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         t0 = time.perf_counter()
         for i in range(0, count, per_save):
             t1 = time.perf_counter()
-            while tier.disk()["queued_write_bytes"] > shm_bytes // 4:
+            while tier.disk().queued_write_bytes > shm_bytes // 4:
                 time.sleep(0.002)
             throttled_s += time.perf_counter() - t1
             batch = keys[i:i + per_save]
@@ -363,10 +368,10 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         saved_s = time.perf_counter() - t0
         d1 = tier.settle()
         spill_s = time.perf_counter() - t0
-        written = d1["bytes_written"] - d0["bytes_written"]
-        on_disk = d1["disk_bytes_written"] - d0["disk_bytes_written"]
-        batches = d1["batches_written"] - d0["batches_written"]
-        report = tier.report()["tenants"]["(anonymous)"]
+        written = d1.bytes_written - d0.bytes_written
+        on_disk = d1.disk_bytes_written - d0.disk_bytes_written
+        batches = d1.batches_written - d0.batches_written
+        pool = tier.report().tenants["(anonymous)"]
         # The objects shared memory no longer holds: all but the last shm's worth.
         evicted = keys[:max(0, count - 2 * (shm_bytes // size))]
         load_evicted_s, evicted_found = _load_all(tier.client, evicted, dst)
@@ -401,13 +406,13 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         "disk_bytes_written": on_disk, "batches_written": batches,
         "header_overhead": 1 - written / on_disk if on_disk else None,
         "client_save_s": saved_s, "client_throttled_s": throttled_s,
-        "bytes_written": written, "evictions": report.get("evictions"),
-        "evicted_before_write": d1.get("evicted_before_write", 0),
+        "bytes_written": written, "evictions": pool.evictions,
+        "evicted_before_write": d1.evicted_before_write,
         "load_evicted_gbps": evicted_found * size / load_evicted_s / 1e9 if evicted else None,
         "load_evicted_objects": len(evicted), "load_evicted_found": evicted_found,
-        "load_evicted_disk_hits": d2["tier"]["hits"] - d1["tier"]["hits"],
-        "restart_s": restart_s, "records_recovered": d3["records_recovered"],
-        "scan_skipped": d3["scan_skipped"],
+        "load_evicted_disk_hits": d2.tier.hits - d1.tier.hits,
+        "restart_s": restart_s, "records_recovered": d3.records_recovered,
+        "scan_skipped": d3.scan_skipped,
         "load_restart_gbps": restart_found * size / load_restart_s / 1e9,
         "load_restart_found": restart_found,
         "load_batch_bytes": dst.nbytes,
@@ -416,13 +421,13 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
                                                                1e-9),
         "load_restart_client_cpu_s_per_gb": client_cpu_s / max(restart_found * size / 1e9,
                                                                1e-9),
-        "load_restart_disk_hits": d4["tier"]["hits"] - d3["tier"]["hits"],
-        "direct_io": d4["direct_io"], "direct_reads": d4["direct_reads"],
-        "buffered_reads": d4["buffered_reads"],
-        "read_latency_p50_ms": (d4["read_latency_p50_s"] or 0) * 1e3,
-        "read_latency_p99_ms": (d4["read_latency_p99_s"] or 0) * 1e3,
-        "write_latency_p50_ms": (d1["write_latency_p50_s"] or 0) * 1e3,
-        "write_latency_p99_ms": (d1["write_latency_p99_s"] or 0) * 1e3,
+        "load_restart_disk_hits": d4.tier.hits - d3.tier.hits,
+        "direct_io": d4.direct_io, "direct_reads": d4.direct_reads,
+        "buffered_reads": d4.buffered_reads,
+        "read_latency_p50_ms": (d4.read_latency_p50_s or 0) * 1e3,
+        "read_latency_p99_ms": (d4.read_latency_p99_s or 0) * 1e3,
+        "write_latency_p50_ms": (d1.write_latency_p50_s or 0) * 1e3,
+        "write_latency_p99_ms": (d1.write_latency_p99_s or 0) * 1e3,
     }
 
 

@@ -137,12 +137,12 @@ class LimitSystem(MemcpySystem):
     """The honest limit: the same runs copied between pre-faulted buffers by the best
     kernels there are, ems's native streaming-store copy (``copy-nt``) and glibc's
     ``memcpy`` (``copy-glibc``); a row's limit is the faster of the two. numpy's
-    ``copyto`` (the ``memcpy`` row) ran 1 MiB runs at ~6-7 GB/s on this machine where a
-    streaming-store copy ran ~10-12 GB/s: ratios above 1 against it said the baseline
-    was slow, not that ems beat the hardware. V1's rows copy the request's own block
-    runs (:meth:`copy_runs`: each block of each cache tensor into a store laid out like
-    pool objects), not one contiguous stream, which ran 19-21 GB/s where those runs
-    copy at 16-18."""
+    ``copyto`` (the ``memcpy`` row) ran 1 MiB runs at ~6-7 GB/s on the 2-vCPU benchmark
+    host (docs/benchmarks.md) where a streaming-store copy ran ~10-12 GB/s: ratios above
+    1 against it said the baseline was slow, not that ems beat the hardware. V1's rows
+    copy the request's own block runs (:meth:`copy_runs`: each block of each cache
+    tensor into a store laid out like pool objects), not one contiguous stream, which
+    ran 19-21 GB/s where those runs copy at 16-18."""
 
     kind = "limit"
 

@@ -57,12 +57,23 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Optional, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ems.client import cuda, native, staging
 from ems.client.segment import Segment
 from ems.errors import invalid
 from ems.futures import Task
+
+if TYPE_CHECKING:  # the SDK imports without torch: torch is imported where a layout is
+    import torch
+    from torch import Tensor
+
+    #: one group's tokens selected for a copy: (slots, token's object, token's position
+    #: in it, objects of the whole-block path)
+    _Selection = tuple[Tensor, Tensor, Tensor, Tensor]
+    #: runs of bytes for the native copy: (pool address, cache address, length) tables
+    _Runs = tuple[Tensor, Tensor, Tensor]
 
 __all__ = ["RegisteredLayout", "V1Mover"]
 
@@ -75,9 +86,11 @@ _CHUNK = 16 << 20
 class _TensorInfo:
     group: int
     layer: int
-    t3: Any  # [num_blocks, block_size, E] in the layout's unit dtype
-    rows: Any  # [num_blocks * block_size, E] view, or None when dims 0/1 don't merge
-    blocks: Any  # [num_blocks, block_size * E] view, or None when a block isn't contiguous
+    t3: Tensor  # [num_blocks, block_size, E] in the layout's unit dtype
+    #: [num_blocks * block_size, E] view, or None when dims 0/1 don't merge
+    rows: Optional[Tensor]
+    #: [num_blocks, block_size * E] view, or None when a block isn't contiguous
+    blocks: Optional[Tensor]
     token_bytes: int
     width: int  # E: units per token
     ptr: int  # address of block 0, position 0
@@ -111,7 +124,7 @@ class _HostRuns:
     are full and aligned; ``rest``: the others, moved a token at a time (each a
     :class:`_Columns`, or None when no column is of that kind)."""
 
-    def __init__(self, torch: Any, tensors: list[_TensorInfo], group: _Group) -> None:
+    def __init__(self, torch: ModuleType, tensors: list[_TensorInfo], group: _Group) -> None:
         mine = [tensors[i] for i in group.tensors]
         self.host = bool(mine) and all(t.host for t in mine)
         run = [t.page_bytes or (t.token_bytes * group.block_size
@@ -127,7 +140,7 @@ class _Columns:
     """Per tensor (a column): its index in the layout, address of block 0, strides,
     token bytes and block run bytes (0: a block is not one run)."""
 
-    def __init__(self, torch: Any, index: list[int], infos: list[_TensorInfo],
+    def __init__(self, torch: ModuleType, index: list[int], infos: list[_TensorInfo],
                  run: list[int]) -> None:
         col = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         self.index = col(index)
@@ -138,37 +151,39 @@ class _Columns:
         self.block_bytes = col(run)
         self._lists = (index, infos, run)
 
-    def pick(self, torch: Any, ks: list[int]) -> "_Columns":
+    def pick(self, torch: ModuleType, ks: list[int]) -> "_Columns":
         index, infos, run = self._lists
         return _Columns(torch, [index[k] for k in ks], [infos[k] for k in ks],
                         [run[k] for k in ks])
 
 
-def _units(torch: Any) -> list[tuple[int, Any]]:
+def _units(torch: ModuleType) -> list[tuple[int, torch.dtype]]:
     return [(8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)]
 
 
 class RegisteredLayout:
     """What ``register_kvcache`` registered: validated views of every cache tensor."""
 
-    def __init__(self, kv_caches: Any, store_layer_group_desc: Any = None,
-                 block_size: Any = None, device_ops: Optional[cuda.DeviceOps] = None
+    def __init__(self, kv_caches: object, store_layer_group_desc: object = None,
+                 block_size: object = None, device_ops: Optional[cuda.DeviceOps] = None
                  ) -> None:
         import torch
         self._torch = torch
         if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
             raise invalid("kv_caches must be a non-empty list (one entry per layer)")
-        layers: list[list[Any]] = []
+        given: list[list[object]] = []
         for li, layer in enumerate(kv_caches):
             if isinstance(layer, torch.Tensor) or not isinstance(layer, (list, tuple)) \
                     or not layer:
                 raise invalid(f"kv_caches[{li}] must be a non-empty list of tensors")
-            layers.append(list(layer))
-        self.groups = self._groups(layers, store_layer_group_desc, block_size)
+            given.append(list(layer))
+        self.groups = self._groups(given, store_layer_group_desc, block_size)
+        checked: dict[int, list[Tensor]] = {}
         for group in self.groups:
             for li in group.layers:
-                for ti, t in enumerate(layers[li]):
-                    self._check_tensor(t, f"kv_caches[{li}][{ti}]", group.opaque)
+                checked[li] = [self._check_tensor(t, f"kv_caches[{li}][{ti}]", group.opaque)
+                               for ti, t in enumerate(given[li])]
+        layers = [checked[li] for li in range(len(given))]  # (every layer is in a group)
         # One copy unit for the whole layout: the largest that divides every token
         # row, every stride and every address (pool offsets are 64-byte aligned).
         unit, self.dtype = 1, torch.uint8
@@ -193,7 +208,7 @@ class RegisteredLayout:
                                        dtype=torch.int64)
         #: per tensor, its layer group
         self.tensor_group = torch.tensor([t.group for t in self.tensors], dtype=torch.int64)
-        desc: list[Any] = []
+        desc: list[object] = []
         for g in self.groups:
             if g.opaque:  # the whole page's shape: its inner order is the layout's own
                 desc.append(("opaque", g.layers, g.block_size,
@@ -214,13 +229,14 @@ class RegisteredLayout:
         #: device, with its device (None: host tables or torch gather/scatter).
         #: ``device_ops`` given: that path on any device (tests drive it on the CPU).
         self.device_ops: Optional[cuda.DeviceOps] = device_ops
-        self.device: Any = layers[0][0].device
+        self.device: torch.device = layers[0][0].device
         on_cuda = len(self.devices) == 1 and self.device.type == "cuda"
         if device_ops is None and on_cuda:
             self.device_ops = cuda.torch_ops()
 
     # ------------------------------------------------------------ registration
-    def _check_tensor(self, t: Any, field: str, opaque: bool = False) -> None:
+    def _check_tensor(self, t: object, field: str, opaque: bool = False) -> Tensor:
+        """``t``, checked to be a cache tensor of the layout (``EMS_INVALID_ARGUMENT``)."""
         torch = self._torch
         if not isinstance(t, torch.Tensor):
             raise invalid(f"{field} must be a torch.Tensor, got {type(t).__name__}")
@@ -244,9 +260,10 @@ class RegisteredLayout:
                 raise invalid(f"{field}: {what} must be contiguous, got strides "
                               f"{tuple(stride)}")
             expect *= shape[d]
+        return t
 
     @staticmethod
-    def _fits(t: Any, unit: int) -> bool:
+    def _fits(t: Tensor, unit: int) -> bool:
         es = t.element_size()
         if t.dim() < 3:  # (only opaque pages are 2-D: their row is the page)
             tb, strides = es * int(t[0].numel()), t.stride()[:1]
@@ -255,7 +272,8 @@ class RegisteredLayout:
         return (tb % unit == 0 and t.data_ptr() % unit == 0
                 and all((s * es) % unit == 0 for s in strides))
 
-    def _groups(self, layers: list[list[Any]], desc: Any, block_size: Any) -> list[_Group]:
+    def _groups(self, layers: list[list[object]], desc: object, block_size: object
+                ) -> list[_Group]:
         n = len(layers)
         if desc is None:
             desc = [list(range(n))]
@@ -306,7 +324,7 @@ class RegisteredLayout:
         return groups
 
     @staticmethod
-    def _page_block_size(block_size: Any, gi: int, n_groups: int) -> Any:
+    def _page_block_size(block_size: object, gi: int, n_groups: int) -> Optional[int]:
         """Group ``gi``'s opaque-page block size (None: paged) from ``block_size``."""
         if block_size is None:
             return None
@@ -323,7 +341,7 @@ class RegisteredLayout:
             raise invalid(f"{field} must be an int > 0 (tokens per block), got {value!r}")
         return value
 
-    def _info(self, t: Any, gi: int, li: int) -> _TensorInfo:
+    def _info(self, t: Tensor, gi: int, li: int) -> _TensorInfo:
         if self.groups[gi].opaque:
             return self._page_info(t, gi, li)
         nb, bs = int(t.shape[0]), int(t.shape[1])
@@ -339,7 +357,7 @@ class RegisteredLayout:
         return _TensorInfo(gi, li, t3, rows, blocks, elems * es, width, t.data_ptr(),
                            s0 * es, s1 * es, t.device.type == "cpu")
 
-    def _page_info(self, t: Any, gi: int, li: int) -> _TensorInfo:
+    def _page_info(self, t: Tensor, gi: int, li: int) -> _TensorInfo:
         """An opaque page per block: one row of ``[num_blocks, page units]``."""
         nb = int(t.shape[0])
         elems = int(t[0].numel())
@@ -410,7 +428,7 @@ class RegisteredLayout:
         return V1Mover(self, per_group)
 
 
-def _spread(torch: Any, counts: Any) -> tuple[Any, Any]:
+def _spread(torch: ModuleType, counts: Tensor) -> tuple[Tensor, Tensor]:
     """For ``counts[i]`` tokens of object ``i``, in order: each token's object and its
     position in that object. (``repeat_interleave`` and ``searchsorted`` compute the
     same, but run on torch's intra-op threads from a few dozen elements on: on a busy
@@ -429,12 +447,13 @@ def _spread(torch: Any, counts: Any) -> tuple[Any, Any]:
 class _Tokens:
     """The tokens of one group in one request, and the fast-path block ids."""
 
-    def __init__(self, torch: Any, slots: Any, counts: Any, block_size: int) -> None:
+    def __init__(self, torch: ModuleType, slots: Tensor, counts: Tensor, block_size: int
+                 ) -> None:
         n_obj = counts.numel()
         self.slots = slots
         self.counts = counts
         self.obj, self.pos = _spread(torch, counts)
-        self.block_ids = None
+        self.block_ids: Optional[Tensor] = None
         if bool((counts == block_size).all()):
             grid = slots.view(n_obj, block_size)
             first = grid[:, 0]
@@ -446,7 +465,8 @@ class _Tokens:
 class V1Mover:
     """Moves the blocks of one V1 request (see the module docstring for the layout)."""
 
-    def __init__(self, layout: RegisteredLayout, per_group: Sequence[tuple[Any, Any]]) -> None:
+    def __init__(self, layout: RegisteredLayout, per_group: Sequence[tuple[Tensor, Tensor]]
+                 ) -> None:
         torch = layout._torch
         self.layout = layout
         self._torch = torch
@@ -569,9 +589,9 @@ class V1Mover:
         obj_t = torch.tensor(objs, dtype=torch.int64)
         obj_off.index_copy_(0, obj_t, torch.tensor(offs, dtype=torch.int64))
         everything = len(objs) == n_obj
-        selected: dict[int, tuple[Any, Any, Any, Any]] = {}
+        selected: dict[int, _Selection] = {}
         use_native = native.available()
-        runs: list[tuple[Any, Any, Any]] = []
+        runs: list[_Runs] = []
         for gi, group in enumerate(self.layout.groups):
             tok = self.tokens[gi]
             sel = selected.get(id(tok))
@@ -602,7 +622,7 @@ class V1Mover:
             self._copy_runs(runs, task, save)
 
     def _runs(self, seg: Segment, table: _HostRuns, group: _Group, tok: _Tokens,
-              obj_off: Any, sel: tuple[Any, Any, Any, Any]) -> list[tuple[Any, Any, Any]]:
+              obj_off: Tensor, sel: _Selection) -> list[_Runs]:
         """(pool address, cache address, length) of every run of one host group:
         whole blocks where the request's blocks are full and aligned, else tokens.
 
@@ -634,7 +654,7 @@ class V1Mover:
             out.append((pool, cache, tb.expand_as(pool)))
         return out
 
-    def _copy_runs(self, runs: list[tuple[Any, Any, Any]], task: Task, save: bool) -> None:
+    def _copy_runs(self, runs: list[_Runs], task: Task, save: bool) -> None:
         """One native call per ~``_CHUNK`` bytes for every run of the request, in the
         order of their source addresses (a checkpoint between calls).
 
@@ -667,15 +687,16 @@ class V1Mover:
                 task.checkpoint()
                 native.copy_table(d + 8 * lo, s + 8 * lo, n + 8 * lo, hi - lo)
 
-    def _select(self, tok: _Tokens, obj_off: Any, obj_t: Any, everything: bool
-                ) -> tuple[Any, Any, Any, Any]:
+    def _select(self, tok: _Tokens, obj_off: Tensor, obj_t: Tensor, everything: bool
+                ) -> _Selection:
         if everything:
             return tok.slots, tok.obj, tok.pos, self._torch.arange(obj_off.numel())
         keep = obj_off.index_select(0, tok.obj) >= 0
         return tok.slots[keep], tok.obj[keep], tok.pos[keep], obj_t
 
     @staticmethod
-    def _copy_rows(cache_rows: Any, index: Any, window: Any, dest: Any, save: bool) -> None:
+    def _copy_rows(cache_rows: Tensor, index: Tensor, window: Tensor, dest: Tensor,
+                   save: bool) -> None:
         device = cache_rows.device
         if save:
             rows = cache_rows.index_select(0, index.to(device))
@@ -684,7 +705,7 @@ class V1Mover:
             rows = window.index_select(0, dest).to(device)
             cache_rows.index_copy_(0, index.to(device), rows)
 
-    def _copy_tokens(self, info: _TensorInfo, slots: Any, window: Any, dest: Any,
+    def _copy_tokens(self, info: _TensorInfo, slots: Tensor, window: Tensor, dest: Tensor,
                      save: bool) -> None:
         if info.rows is not None:
             self._copy_rows(info.rows, slots, window, dest, save)

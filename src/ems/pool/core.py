@@ -230,12 +230,13 @@ class Pool:
     """Index + allocator + eviction policy over an arena of ``capacity_bytes``."""
 
     def __init__(self, capacity_bytes: int, *, reservation_ttl_s: float = 60.0,
-                 alignment: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+                 alignment: int = 64, clock: Callable[[], float] = time.monotonic,
+                 policy: Callable[[], LruPolicy] = LruPolicy) -> None:
         self.allocator = Allocator(capacity_bytes, alignment)
         self.capacity_bytes = self.allocator.capacity_bytes
         self.reservation_ttl_s = reservation_ttl_s
         self._clock = clock
-        self._policy = LruPolicy()
+        self._policy = policy()  # (a factory: each pool its own)
         self._objects: dict[Hashable, _Object] = {}
         self._reservations: dict[int, _Object] = {}
         self._pins: dict[int, tuple[_Object, Hashable]] = {}

@@ -59,7 +59,7 @@ N keys at two round trips (reserve, commit), one through the lease (put), and a 
 at one plus a one-way release.
 
 A small save takes one round trip: the client writes into its connection's LEASE
-(pool space it owns, :func:`lease_bytes` of the pool) without asking, and ``Put``
+(pool space it owns, of the size ``Welcome.lease_size`` announced) without asking, and ``Put``
 carves each written range into a committed key (or frees it: EXISTS/BUSY); ``Return``
 gives back ranges it will not put (an aborted save, the tail of a used-up lease), and
 ``want_lease`` asks for a fresh lease with the reply. The daemon only accepts ranges
@@ -77,15 +77,18 @@ import hashlib
 import hmac
 import operator
 import sys
+import types
 from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+from ems.errors import EmsErrorCode, EmsException
+
+_T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
 else:  # (only type checkers read it)
-    def dataclass_transform(**_kwargs: Any) -> Callable[[Any], Any]:
+    def dataclass_transform(**_kwargs: object) -> Callable[[_T], _T]:
         return lambda f: f
-
-from ems.errors import EmsErrorCode, EmsException
 
 __all__ = [
     "MESSAGES",
@@ -117,7 +120,6 @@ __all__ = [
     "Welcome",
     "auth_mac",
     "from_wire",
-    "lease_bytes",
     "wire_class",
 ]
 
@@ -140,34 +142,42 @@ def _bad(message: str) -> EmsException:
 
 
 # ----------------------------------------------------------------------- field checks
-# Each check returns True when the decoded value has the right shape.
+# Each check returns True when the decoded value (any object msgpack gave) has the
+# right shape.
 
-def _uint(v: Any) -> bool:
+#: a field's check
+Check = Callable[[object], bool]
+
+def _uint(v: object) -> bool:
     return type(v) is int and 0 <= v < _U64
 
 
-def _rid(v: Any) -> bool:
+def _rid(v: object) -> bool:
     return type(v) is int and 0 < v < _U64
 
 
-def _bool(v: Any) -> bool:
+def _bool(v: object) -> bool:
     return type(v) is bool
 
 
-def _str(v: Any) -> bool:
+def _str(v: object) -> bool:
     return type(v) is str
 
 
-def _bytes(v: Any) -> bool:
+def _bytes(v: object) -> bool:
     return type(v) is bytes
 
 
-def _num(v: Any) -> bool:
-    return type(v) in (int, float) and v >= 0
+def _num(v: object) -> bool:
+    return (type(v) is int or type(v) is float) and v >= 0
 
 
-def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    def optional(v: Any) -> bool:
+def _power_of_two(v: object) -> bool:
+    return type(v) is int and 0 < v < _U64 and v & (v - 1) == 0
+
+
+def _opt(check: Check) -> Check:
+    def optional(v: object) -> bool:
         return v is None or check(v)
     optional.inner = check  # type: ignore[attr-defined]  # (for _validator)
     return optional
@@ -175,7 +185,7 @@ def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 # The lists every request and reply carries get loops without a call per element.
 
-def _uints(v: Any) -> bool:
+def _uints(v: object) -> bool:
     if type(v) is not list:
         return False
     for x in v:
@@ -184,7 +194,7 @@ def _uints(v: Any) -> bool:
     return True
 
 
-def _strs(v: Any) -> bool:
+def _strs(v: object) -> bool:
     if type(v) is not list:
         return False
     for x in v:
@@ -193,7 +203,7 @@ def _strs(v: Any) -> bool:
     return True
 
 
-def _bools(v: Any) -> bool:
+def _bools(v: object) -> bool:
     if type(v) is not list:
         return False
     for x in v:
@@ -202,7 +212,7 @@ def _bools(v: Any) -> bool:
     return True
 
 
-def _tree(v: Any, depth: int = 0) -> bool:
+def _tree(v: object, depth: int = 0) -> bool:
     """Plain JSON-like data (the statistics report)."""
     if depth > 8:
         return False
@@ -215,12 +225,13 @@ def _tree(v: Any, depth: int = 0) -> bool:
     return False
 
 
-_NO_DEFAULT: Any = dataclasses.MISSING
+_NO_DEFAULT: object = dataclasses.MISSING
 
 
-def _field(check: Callable[[Any], bool], default: Any = _NO_DEFAULT) -> Any:
+def _field(check: Check, default: object = _NO_DEFAULT) -> Any:
     """A field and its check; a ``default`` only lets code build the message without
-    it (the wire form always carries every field)."""
+    it (the wire form always carries every field). Any: the field's own annotation
+    types it (as ``dataclasses.field``)."""
     return dataclasses.field(default=default, metadata={"check": check})
 
 
@@ -238,25 +249,27 @@ class Message:
     #: tuples of field names that must hold lists of equal length
     PARALLEL: ClassVar[tuple[tuple[str, ...], ...]] = ()
     _NAMES: ClassVar[tuple[str, ...]] = ()
-    _CHECKS: ClassVar[tuple[Callable[[Any], bool], ...]] = ()
+    _CHECKS: ClassVar[tuple[Check, ...]] = ()
     #: defaults of the trailing fields a sender may leave off (the request options)
-    _DEFAULTS: ClassVar[tuple[Any, ...]] = ()
+    _DEFAULTS: ClassVar[tuple[object, ...]] = ()
     _PARALLEL_IDX: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
-    _fields_of: ClassVar[Callable[[Any], tuple[Any, ...]]]
+    _fields_of: ClassVar[Callable[[Message], tuple[object, ...]]]
     #: the wire form from the fields by name (see ``_wire_builder``)
-    wire: ClassVar[Callable[..., list[Any]]]
+    wire: ClassVar[Callable[..., list[object]]]
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         return [self.TYPE, *type(self)._fields_of(self)]
 
     #: ``validate(values)``: check decoded field values and return them as they are
     #: (the daemon's hot path uses them positionally, without a message object);
-    #: generated per class (see ``_validator``), same answers as :meth:`validate_slow`
-    validate: ClassVar[Callable[[list[Any]], list[Any]]]
+    #: generated per class (see ``_validator``), same answers as :meth:`validate_slow`.
+    #: The values come back as ``Any``: each has its field's type, which differs by
+    #: position (the daemon's handlers unpack them knowing the message).
+    validate: ClassVar[Callable[[list[object]], list[Any]]]
 
     @classmethod
-    def check(cls, values: list[Any]) -> "Message":
+    def check(cls, values: list[object]) -> "Message":
         """The message of decoded field values, checked (``EMS_PROTOCOL_ERROR``).
         Built without the frozen ``__init__`` (one ``object.__setattr__`` per field
         made it ~1 us of a ~2.5 us reply decode): the values are checked already."""
@@ -266,7 +279,7 @@ class Message:
         return msg
 
     @classmethod
-    def validate_slow(cls, values: list[Any]) -> list[Any]:
+    def validate_slow(cls, values: list[object]) -> list[Any]:
         """The reference check, field by field with the field's own function: what
         the generated ``validate`` falls back to for its error message."""
         checks = cls._CHECKS
@@ -282,31 +295,32 @@ class Message:
                 i = next(j for j, (c, v) in enumerate(zip(checks, values)) if not c(v))
                 raise _bad(f"{cls.__name__}.{cls._NAMES[i]} has the wrong type or range: "
                            f"{_short(value)}")
+        checked: list[Any] = values  # (each of its field's type now: a group's are lists)
         for group in cls._PARALLEL_IDX:
-            if len({len(values[i]) for i in group if values[i] is not None}) > 1:
+            if len({len(checked[i]) for i in group if checked[i] is not None}) > 1:
                 raise _bad(f"{cls.__name__}: {', '.join(cls._NAMES[i] for i in group)} "
                            f"must have equal lengths")
-        return values
+        return checked
 
 
-def _short(v: Any) -> str:
+def _short(v: object) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 MESSAGES: dict[int, type[Message]] = {}
-_M = TypeVar("_M")
+_M = TypeVar("_M", bound=Message)
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(_field,))
 def _message(code: int) -> Callable[[type[_M]], type[_M]]:
-    def register(cls: Any) -> Any:
+    def register(cls: type[_M]) -> type[_M]:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = code
-        fields = dataclasses.fields(cls)
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # (a dataclass now)
         cls._NAMES = tuple(f.name for f in fields)
         cls._CHECKS = tuple(f.metadata["check"] for f in fields)
-        trailing: list[Any] = []
+        trailing: list[object] = []
         for f in reversed(fields):  # the defaults of the trailing optional fields
             if f.default is dataclasses.MISSING:
                 break
@@ -324,13 +338,15 @@ def _message(code: int) -> Callable[[type[_M]], type[_M]]:
     return register
 
 
-def _wire_builder(code: int, name: str, fields: tuple[Any, ...]) -> Callable[..., list[Any]]:
+def _wire_builder(code: int, name: str, fields: tuple[dataclasses.Field[object], ...]
+                  ) -> Callable[..., list[object]]:
     """``Cls.wire(field=..., ...)``: the wire form ``[TYPE, field, ...]`` of a message
     from its fields BY NAME (keyword-only), in the order of its one definition above,
     without building the object (the hot requests and every reply of the daemon).
     Generated once per class: a keyword call of a plain function costs ~0.2 us, a
     frozen dataclass plus ``to_wire`` ~1.5 us."""
-    params, env = [], {}
+    params: list[str] = []
+    env: dict[str, object] = {}
     for i, f in enumerate(fields):
         if f.default is dataclasses.MISSING:
             params.append(f.name)
@@ -342,8 +358,9 @@ def _wire_builder(code: int, name: str, fields: tuple[Any, ...]) -> Callable[...
            f"    return [{code}, {', '.join(names)}]\n")
     exec(src, env)  # noqa: S102 - built from our own field names only
     builder = env["wire"]
+    assert isinstance(builder, types.FunctionType)
     builder.__qualname__ = f"{name}.wire"
-    return builder  # type: ignore[no-any-return,unused-ignore]
+    return builder
 
 
 _new = object.__new__
@@ -359,11 +376,12 @@ _INLINE = {
 }
 
 
-def _validator(cls: Any, fields: tuple[Any, ...]) -> Callable[[list[Any]], list[Any]]:
+def _validator(cls: type[Message], fields: tuple[dataclasses.Field[object], ...]
+               ) -> Callable[[list[object]], list[Any]]:
     """A ``validate`` for ``cls`` with every field's check written out in one function
     (a call per field through ``_CHECKS`` cost ~1.5 us of a 5-field request; this
     ~0.5 us). On any failure it calls ``validate_slow``, which names the field."""
-    env: dict[str, Any] = {"_U64": _U64_LIMIT, "_NUM": (int, float),
+    env: dict[str, object] = {"_U64": _U64_LIMIT, "_NUM": (int, float),
                            "_slow": cls.validate_slow}
     names = [f"f{i}" for i in range(len(fields))]
     terms = []
@@ -395,15 +413,19 @@ def _validator(cls: Any, fields: tuple[Any, ...]) -> Callable[[list[Any]], list[
            f"        return values\n"
            f"    return _slow(values)\n")
     exec(src, env)  # noqa: S102 - built from our own field names and checks only
-    return env["validate"]  # type: ignore[no-any-return,unused-ignore]
+    validate = env["validate"]
+    assert isinstance(validate, types.FunctionType)
+    return validate
 
 
-def from_wire(obj: Any) -> Message:
+def from_wire(obj: object) -> Message:
     """Check and build the message of a decoded msgpack body."""
-    return wire_class(obj).check(obj[1:])
+    cls = wire_class(obj)
+    assert type(obj) is list  # (wire_class checked it)
+    return cls.check(obj[1:])
 
 
-def wire_class(obj: Any) -> type[Message]:
+def wire_class(obj: object) -> type[Message]:
     """The message class a decoded msgpack body claims to be (its fields unchecked)."""
     if type(obj) is not list or not obj or type(obj[0]) is not int:
         raise _bad("a message must be an array that starts with its type code")
@@ -411,12 +433,6 @@ def wire_class(obj: Any) -> type[Message]:
     if cls is None:
         raise _bad(f"unknown message type {obj[0]}")
     return cls
-
-
-def lease_bytes(capacity_bytes: int) -> int:
-    """Size of a connection's lease in a pool of ``capacity_bytes`` (both sides compute
-    it: the client goes to the daemon for a lease only for a save that would fit)."""
-    return max(0, min(1 << 20, capacity_bytes // 64)) // 64 * 64
 
 
 def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:
@@ -461,7 +477,7 @@ class Welcome(Message):
     max_keys: int = _field(_uint)
     #: the pool's allocation unit: every range of the lease a client cuts is aligned
     #: to it (the daemon checks each range of a Put)
-    align: int = _field(lambda v: _uint(v) and v > 0 and v & (v - 1) == 0)
+    align: int = _field(_power_of_two)
     #: size of one lease (0: the daemon hands out none); a save of at most a quarter
     #: of it goes through the lease
     lease_size: int = _field(_uint)

@@ -32,7 +32,7 @@ Every resource a client can make the daemon hold is bounded (``ServerConfig.limi
 :class:`~ems.server.config.Limits`): here, bytes buffered in partial frames across all
 connections (the connection that goes over is closed), connections per uid (at accept)
 and per tenant (at hello); the per-request bounds (keys, pins, leases) are the
-handlers'. Each refusal is counted (``report()["server"]["refused"]``).
+handlers'. Each refusal is counted (``statistics().server.refused``).
 
 The listening socket (taking the path, accept under fd pressure with a backoff) is
 ``ems.server.listener``.
@@ -61,7 +61,7 @@ from ems.protocol.connection import Phase, ServerConnection
 from ems.protocol.framing import DecodeLimitExceeded
 from ems.protocol.report import DaemonReport, ServerRow, TenantRow, TenantTiers, WireRow
 from ems.server.config import Limits, ServerConfig
-from ems.server.handlers import Handlers
+from ems.server.handlers import Handlers, lease_bytes
 from ems.server.listener import Listener, ListenError
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.session import Session
@@ -134,6 +134,9 @@ class Daemon:
                                "max_str_len": 4 * limits.max_key_bytes,
                                "max_bin_len": 4096, "max_map_len": 64, "max_ext_len": 0}
         self._per_uid: collections.Counter = collections.Counter()
+        #: what serves a request of a ready connection: :meth:`_request`, or that
+        #: timed (:meth:`enable_request_timing`); chosen once, not tested per request
+        self._serve: Callable[[Session, type[m.Message], list[Any]], None] = self._request
         #: the tiers beyond shared memory, in lookup order (started with the daemon)
         self.tiers: list[Tier] = []
         #: the KV events publisher (``--kv-events``), bound by ``main``; an observer
@@ -278,15 +281,15 @@ class Daemon:
     def enable_request_timing(self, observe: Callable[[type, float], None]) -> None:
         """Time each request: ``observe(message class, seconds)`` after it (metrics);
         off unless called, so the loop pays nothing for it by default."""
-        serve = Daemon._request
+        serve = self._request
 
-        def timed(conn: Session, cls: type, v: list[Any]) -> None:
+        def timed(conn: Session, cls: type[m.Message], v: list[Any]) -> None:
             t0 = time.perf_counter()
             try:
-                serve(self, conn, cls, v)
+                serve(conn, cls, v)
             finally:
                 observe(cls, time.perf_counter() - t0)
-        self._request = timed  # type: ignore[method-assign]
+        self._serve = timed
 
     def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT or :meth:`request_stop`, then clean up."""
@@ -469,7 +472,7 @@ class Daemon:
         try:
             for cls, v in proto.receive(data):
                 if proto.phase is Phase.READY:
-                    self._request(conn, cls, v)
+                    self._serve(conn, cls, v)
                 else:
                     self._handshake(conn, cls, v)
             if proto.phase is Phase.CLOSED:
@@ -649,7 +652,7 @@ class Daemon:
                                 segment_size=tenant.segment_size, reservation_ttl_s=ttl,
                                 server=server, max_keys=max_keys,
                                 align=pool.allocator.alignment,
-                                lease_size=m.lease_bytes(pool.capacity_bytes))
+                                lease_size=lease_bytes(pool.capacity_bytes))
             fds = (tenant.fd,)
         self._send_frame(conn, conn.proto.welcome(welcome, self.limits.max_frame_bytes,
                                                   self._unpack_limits), fds)

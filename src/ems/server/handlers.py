@@ -45,7 +45,15 @@ from ems.server.session import Reservation, Session
 from ems.server.tenants import Tenant
 from ems.server.tiers import Extent, Observer, Tier
 
-__all__ = ["BUDGET_SHARE", "Handlers", "Output"]
+__all__ = ["BUDGET_SHARE", "Handlers", "Output", "lease_bytes"]
+
+
+def lease_bytes(capacity_bytes: int) -> int:
+    """Size of a connection's lease in a pool of ``capacity_bytes`` (the daemon's
+    choice: it announces it in ``Welcome.lease_size``, and the client saves through
+    the lease only what fits in it)."""
+    return max(0, min(1 << 20, capacity_bytes // 64)) // 64 * 64
+
 
 #: Share of a request's remaining time (``budget_ms``) given to the tiers' work; the
 #: rest is for the reply and the client's copy.
@@ -168,7 +176,7 @@ class Handlers:
     def _lease(self, pool: Pool, session: Session) -> tuple[int, int]:
         """A fresh lease for ``session``: (offset, size), or (0, 0) when there is no
         room or a lease limit says no (the client then saves through reserve/commit)."""
-        size = m.lease_bytes(pool.capacity_bytes)
+        size = lease_bytes(pool.capacity_bytes)
         if not size:
             return 0, 0
         limits = self.limits

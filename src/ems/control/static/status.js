@@ -22,7 +22,11 @@ function size(n) {
 }
 // The cluster tier's counters, where a daemon reports one (tiers.cluster); else null.
 const clusterOf = (t) => (t.tiers && t.tiers.cluster) || null;
-const pct = (hits, misses) => (hits + misses ? (100 * hits / (hits + misses)).toFixed(1) + "%" : "-");
+// A hit rate as a percentage, "-" before the first lookup. A row's own rate is the
+// hit_rate it carries on the wire; sumRate is the rate of a sum of rows (hosts, tenants).
+const pct = (rate, lookups) => (lookups ? (100 * rate).toFixed(1) + "%" : "-");
+const rowRate = (row) => pct(row.hit_rate, row.hits + row.misses);
+const sumRate = (hits, misses) => pct(hits / (hits + misses || 1), hits + misses);
 
 function cell(text, attrs) {
   const td = document.createElement("td");
@@ -80,7 +84,7 @@ function render(data) {
         cell(String(t.hits), { ...at, "data-field": "hits" }),
         cell(`${t.misses} (${t.miss_absent || 0} / ${t.miss_size_mismatch || 0} / ${t.miss_pending || 0})`,
              { ...at, "data-field": "misses" }),
-        cell(pct(t.hits, t.misses), { ...at, "data-field": "hit-rate-local" }),
+        cell(rowRate(t), { ...at, "data-field": "hit-rate-local" }),
         cell(String(t.evictions), { ...at, "data-field": "evictions" })], stale ? "stale" : ""]);
     }
     cap += hc; used += hu; hits += hh; misses += hm;
@@ -94,8 +98,8 @@ function render(data) {
       cell(size(hc), { ...at, "data-field": "capacity" }),
       cell(size(hu), { ...at, "data-field": "used" }),
       cell(String(ho), { ...at, "data-field": "objects" }),
-      cell(pct(hh, hm), { ...at, "data-field": "hit-rate-local" }),
-      cell(hct ? pct(hch, hcm) : "-", { ...at, "data-field": "hit-rate-cluster" }),
+      cell(sumRate(hh, hm), { ...at, "data-field": "hit-rate-local" }),
+      cell(hct ? sumRate(hch, hcm) : "-", { ...at, "data-field": "hit-rate-cluster" }),
       cell(String(ctl.revision ?? "-"), { ...at, "data-field": "revision" }),
       cell(`${h.age_s.toFixed(1)} s ago`)], stale ? "stale" : ""]);
   }
@@ -111,16 +115,16 @@ function render(data) {
       cell(String(t.objects), { ...at, "data-field": "objects" }),
       cell(String(t.hits), { ...at, "data-field": "hits" }),
       cell(String(t.misses), { ...at, "data-field": "misses" }),
-      cell(pct(t.hits, t.misses), { ...at, "data-field": "hit-rate-local" }),
-      cell(t.ctier ? pct(t.chits, t.cmisses) : "-", { ...at, "data-field": "hit-rate-cluster" })]];
+      cell(sumRate(t.hits, t.misses), { ...at, "data-field": "hit-rate-local" }),
+      cell(t.ctier ? sumRate(t.chits, t.cmisses) : "-", { ...at, "data-field": "hit-rate-cluster" })]];
   }));
   $("#summary").replaceChildren(
     card("hosts up", `${live} / ${data.hosts.length}`, "sum-hosts"),
     card("tenants", String(data.tenants.length), "sum-tenants"),
     card("capacity", size(cap), "sum-capacity"),
     card("used", size(used), "sum-used"),
-    card("hit rate local", pct(hits, misses), "sum-hit-rate-local"),
-    card("hit rate cluster", ctier ? pct(chits, cmisses) : "-", "sum-hit-rate-cluster"));
+    card("hit rate local", sumRate(hits, misses), "sum-hit-rate-local"),
+    card("hit rate cluster", ctier ? sumRate(chits, cmisses) : "-", "sum-hit-rate-cluster"));
   $("#revision").textContent = String(data.revision);
   $("#updated").textContent = new Date().toLocaleTimeString();
 }
