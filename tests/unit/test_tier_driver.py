@@ -349,3 +349,37 @@ def test_a_save_larger_than_the_write_chunk_is_written_in_chunks_side_by_side(wo
     loop.run_until(lambda: driver.statistics().writes == 5)
     loop.run_until(lambda: driver.statistics().inflight_bytes == 0)
     assert engine.values == {k: _value(k) for k in keys} and engine.most == 3
+
+
+class ShareEngine(DictEngine):
+    """Records each batch of reads and the threads they ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[str]] = []
+        self.threads: set[int] = set()
+        self._lock = threading.Lock()
+
+    def read_batch(self, tenant: Tenant, targets: Sequence[Target], deadline: float
+                   ) -> list[ReadOutcome]:
+        with self._lock:
+            self.seen.append([t.key for t in targets])
+            self.threads.add(threading.get_ident())
+        return super().read_batch(tenant, targets, deadline)
+
+
+def test_a_fetch_is_read_in_one_contiguous_share_per_reader(world):
+    tenant, maps, loop, make = world
+    engine = ShareEngine()
+    keys = [f"r{i}" for i in range(10)]
+    engine.values = {k: _value(k) for k in keys}
+    engine.read_gate.clear()
+    driver = make(engine, read_workers=3)
+    done: list[bool] = []
+    assert driver.fill(tenant, keys, [SIZE] * 10, None, lambda: done.append(True))
+    loop.run_until(lambda: len(engine.seen) == 3)  # three jobs, each at its first read
+    engine.read_gate.set()
+    loop.run_until(lambda: bool(done))
+    assert sorted(engine.seen) == sorted([keys[0:3], keys[3:6], keys[6:10]])
+    assert len(engine.threads) == 3
+    assert _pinned_bytes(tenant, maps, keys) == [_value(k) for k in keys]

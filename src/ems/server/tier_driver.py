@@ -31,8 +31,8 @@ A fetch, step by step (the loop owns the book; the engine runs on a reader)::
     loop:    lookup (the engine's index, no I/O) -> the leading run it holds
              plan: a key another request fetches now -> wait for that fetch;
                    else reserve it (NEW) -> this request's fetch; else the run ends
-    reader:  read into the reserved memory (per key on its own reader, or the
-             whole fetch in one batch: ``Engine.parallel_reads``)
+    reader:  read into the reserved memory (a contiguous share of the keys on each
+             reader, or the whole fetch in one batch: ``Engine.parallel_reads``)
     loop:    the last read returned, or the deadline (call_at), whichever first:
              commit the whole ones, abort the others, wake every waiter; a read
              still running then keeps its reservation and is aborted when it
@@ -170,7 +170,7 @@ class Engine:
     local: ClassVar[bool] = False
     #: takes saves with ``write_rcache`` False (the driver's ``save_through``)
     takes_saves_through: ClassVar[bool] = False
-    #: a fetch's keys read each on its own reader (True) or in one batch (False)
+    #: a fetch's keys read in shares, one per reader (True), or in one batch (False)
     parallel_reads: ClassVar[bool] = True
     #: a save's keys written out in one batch (True) or each on its own (False)
     batch_writes: ClassVar[bool] = False
@@ -518,8 +518,13 @@ class TierDriver(Tier):
 
         self._loop.call_at(deadline, finish)
         n = len(reserved)
-        for indexes in ([[i] for i in range(n)] if engine.parallel_reads else [list(range(n))]):
-            self._readers.submit(job, indexes)
+        # Parallel: a contiguous share of the keys per reader, each read after the
+        # other there (``read_workers`` deep, a sequential stream each). A job per key
+        # cost the daemon ~150 us of CPU per 16 KiB value loaded (a submit, a thread
+        # hand-over and a loop callback each); the share keeps the depth without it.
+        jobs = min(n, self.settings.read_workers) if engine.parallel_reads else 1
+        for j in range(jobs):
+            self._readers.submit(job, list(range(j * n // jobs, (j + 1) * n // jobs)))
 
     def count(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
               deadline: Optional[float], done: Callable[[int], None]) -> bool:
