@@ -740,13 +740,18 @@ class TierDriver(Tier):
             self._loop.call_soon(lambda: done(outcomes))
 
         def done(outcomes: list[Written]) -> None:
+            # Counted once per write, not per record (each count takes the counters'
+            # lock and updates two Counters), refusals by reason.
+            counts: collections.Counter[str] = collections.Counter()
             for w, e in zip(outcomes, extents):
                 if w.stored:
-                    self._counters.add(tenant, writes=1, bytes_out=e.size)
+                    counts["writes"] += 1
+                    counts["bytes_out"] += e.size
                 else:
-                    self._counters.add(tenant, **{f"refused_{w.reason}": 1})
+                    counts[f"refused_{w.reason}"] += 1
                     if w.warning:
                         self._warn(w.reason, w.warning)
+            self._counters.add(tenant, **counts)
             then(outcomes)
         self._writers.submit(job)
 
