@@ -52,7 +52,7 @@ Back-pressure (measured in ``benchmarks/disk_backpressure.py``): a save that fin
 shared memory full of unwritten objects waits on the loop for one of its tenant's
 write-outs to end, up to ``save_wait_s``, instead of evicting one (``ems.server.
 handlers``); on a disk slowed to 10 ms per I/O that took the objects lost from 3.1%
-of the saves (written-first eviction alone; 7.4% with one LRU order) to 0.1%.
+of the saves (written-first eviction alone; 7.2% with one LRU order) to 0.1%.
 """
 
 from __future__ import annotations
