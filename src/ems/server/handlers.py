@@ -234,24 +234,24 @@ class Handlers:
         tenant = session.tenant
         assert tenant is not None
 
-        def again() -> None:
-            if not session.serves(tenant):
-                return  # gone: its reservations went with it (``drop_owner``)
+        def regrant(spare: bool) -> None:  # ask again for the keys still FULL
             full = [i for i, g in enumerate(grants) if g.status is _FULL]
             for i, g in zip(full, pool.reserve([keys[i] for i in full],
                                                [sizes[i] for i in full], session.id,
-                                               spare_unwritten=True)):
+                                               spare_unwritten=spare)):
                 grants[i] = g
+
+        def again() -> None:
+            if not session.serves(tenant):
+                return  # gone: its reservations went with it (``drop_owner``)
+            regrant(True)
             self._reserve_later(session, pool, rid, keys, sizes, grants, since,
                                 write_rcache, hashes, write_out)
 
-        full = [i for i, g in enumerate(grants) if g.status is _FULL]
-        if full and any(t.wait_written(tenant, since, again) for t in self._waits):
-            return
-        if full:  # waited long enough, or nothing to wait for
-            for i, g in zip(full, pool.reserve([keys[i] for i in full],
-                                               [sizes[i] for i in full], session.id)):
-                grants[i] = g
+        if any(g.status is _FULL for g in grants):
+            if any(t.wait_written(tenant, since, again) for t in self._waits):
+                return
+            regrant(False)  # waited long enough, or nothing to wait for
         self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)
 
     def _granted(self, session: Session, rid: int, keys: list[str], grants: list[Grant],
