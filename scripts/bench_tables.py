@@ -66,7 +66,7 @@ def _cell(row: Optional[dict[str, Any]]) -> str:
 
 def bench_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
-    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    commit = _commit(ems)
     p = d["args"]["params"]
     return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
             f"`ems bench {' '.join('DIR' if a.startswith('/') else a for a in d['args']['argv'])}` "
@@ -175,7 +175,7 @@ def control_propagation(d: dict[str, Any]) -> str:
 
 def disk_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
-    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    commit = _commit(ems)
     argv = " ".join("DIR" if a.startswith("/") else a for a in d["argv"])
     return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
             f"`ems bench {argv}` ({d['elapsed_s']:.0f} s): {d['mib']} MiB per value size "
@@ -258,8 +258,7 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 
 def disk_load_breakdown(d: dict[str, Any]) -> str:
-    ems = d["ems"]
-    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    commit = _commit(d["ems"])
     out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
            f"benchmarks/disk_load_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
            f"per value size through {d['shm_mib']} MiB of shared memory, load average "
@@ -288,8 +287,7 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
 
 
 def disk_backpressure(d: dict[str, Any]) -> str:
-    ems = d["ems"]
-    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    commit = _commit(d["ems"])
     out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
            f"benchmarks/disk_backpressure.py {' '.join(d['argv'])}` ({d['elapsed_s']:.0f} s): "
            f"the first {d['requests']:,} requests of {d['trace']} ({d['blocks']:,} blocks, "
@@ -304,7 +302,7 @@ def disk_backpressure(d: dict[str, Any]) -> str:
 
 def trace_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
-    commit = ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
+    commit = _commit(ems)
     argv = " ".join(a.rsplit("/", 1)[-1] if a.startswith("/") else a for a in d["argv"])
     traces = ", ".join(f"{t['name']} ({t['requests']:,} requests, {t['blocks']:,} blocks, "
                        f"{t['distinct']:,} distinct)" for t in d["traces"])
@@ -408,6 +406,11 @@ def gpu_check(d: Optional[dict[str, Any]]) -> str:
                 "docs/bench-gpu.json` on a CUDA machine writes the figures this table shows.")
     from ems.bench.gpu import gpu_table
     return gpu_table(d)
+
+
+def _commit(ems: dict[str, Any]) -> str:
+    """A run's commit as the pages print it: 7 hex digits, "(dirty)" when it was."""
+    return ems.get("commit", "?")[:7] + (" (dirty)" if ems.get("dirty") else "")
 
 
 def _size(n: int) -> str:
