@@ -13,6 +13,7 @@ import time
 from typing import ClassVar, Optional, Sequence
 
 import pytest
+from support.replies import Replies
 
 from ems.pool import GrantStatus, Pool
 from ems.protocol import messages as m
@@ -72,14 +73,6 @@ class GatedEngine(Engine):
         assert self.gate.acquire(timeout=10), "the test never opened the gate"
         self.written += [s.key for s in sources]
         return [WRITTEN] * len(sources)
-
-
-class Replies:
-    def __init__(self) -> None:
-        self.wires: list[list[object]] = []
-
-    def reply(self, session: Session, wire: list[object]) -> None:
-        self.wires.append(wire)
 
 
 @pytest.fixture

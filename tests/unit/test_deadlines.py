@@ -19,6 +19,7 @@ import time
 from typing import ClassVar, Optional, Sequence, TypeVar
 
 import pytest
+from support.replies import Replies
 
 from ems.errors import EmsErrorCode
 from ems.pool import GrantStatus
@@ -35,14 +36,6 @@ from ems.testing.clock import FakeClock, FakeLoop
 
 SIZE = 4096
 TTL_S = 60.0
-
-
-class Replies:
-    def __init__(self) -> None:
-        self.wires: list[list[object]] = []
-
-    def reply(self, session: Session, wire: list[object]) -> None:
-        self.wires.append(wire)
 
 
 class GatedReads(Engine):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import socket
 
+from support.replies import Replies
+
 from ems.protocol import messages as m
 from ems.server.config import Limits
 from ems.server.handlers import BUDGET_SHARE, Handlers
@@ -24,14 +26,6 @@ def test_the_fake_loop_runs_callbacks_in_time_order_at_their_time():
     assert loop.advance(0) == 1 and seen == [("now", 1000.0)]
     assert loop.advance(1.5) == 1 and seen[-1] == ("a", 1001.0) and clock() == 1001.5
     assert loop.advance(10) == 1 and seen[-1] == ("b", 1002.0) and loop.pending == 0
-
-
-class Replies:
-    def __init__(self) -> None:
-        self.wires: list[list[object]] = []
-
-    def reply(self, session: Session, wire: list[object]) -> None:
-        self.wires.append(wire)
 
 
 def test_a_reservation_expires_on_the_tenants_clock_not_in_real_time():

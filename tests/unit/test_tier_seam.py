@@ -11,6 +11,7 @@ import socket
 from typing import Callable, ClassVar, Optional, Sequence
 
 import pytest
+from support.replies import Replies
 
 from ems.protocol import messages as m
 from ems.server.config import Limits
@@ -83,14 +84,6 @@ class ThroughTier(DictTier):
             view.release()
         done([True] * len(keys))
         return True
-
-
-class Replies:
-    def __init__(self) -> None:
-        self.wires: list[list[object]] = []
-
-    def reply(self, session: Session, wire: list[object]) -> None:
-        self.wires.append(wire)
 
 
 @pytest.fixture
