@@ -74,9 +74,10 @@ class LruPolicy:
                     self._order[key] = None
 
     def forget(self, key: Hashable) -> None:
-        """``key`` left the index (evicted, deleted): out of the orders and unmarked."""
-        self.remove(key)
-        self._marks.pop(key, None)
+        """``key`` left the index (evicted or deleted, so out of the orders already):
+        its marks go with it. (Every eviction calls it: nothing to do without marks.)"""
+        if self._marks:
+            self._marks.pop(key, None)
 
     def unwritten(self, key: Hashable) -> bool:
         """Whether a writer waits for ``key``."""
