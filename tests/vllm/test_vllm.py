@@ -374,7 +374,10 @@ def test_pool_killed_engine_serves_identical_outputs(runs):
     assert step["tokens"] == runs["reference"]["after_kill"]
     # the second prompt's 2 prefix blocks are still in vLLM's own cache
     assert step["cached"] == [0, 2 * BS]
-    lines = [ln for ln in runs["log_text"].splitlines()
+    # run C's lines only: the engines of the earlier runs share the log, and their
+    # shutdown (vLLM kills slow workers after 5 s) may log health-check failures there
+    run_c = runs["log_text"].split("===== run C =====", 1)[1]
+    lines = [ln for ln in run_c.splitlines()
              if "the pool is unavailable" in ln or "the pool is back" in ln]
     # one warning per outage (hung at a load, hung at a lookup, killed), each followed
     # by the pool coming back
