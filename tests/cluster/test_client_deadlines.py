@@ -21,13 +21,15 @@ SIZE = 64 << 10
 
 class ScriptedNode:
     """One fake node owning every slot: SET never answers (a node hung under a
-    write); GET answers ``values[key]``, at ``trickle_bps`` when set."""
+    write); GET answers ``values[key]``, at ``trickle_bps`` when set; CLUSTER SLOTS
+    after ``slots_delay_s``."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.values: dict[bytes, bytes] = {}
         self.trickle_bps = 0
+        self.slots_delay_s = 0.0
         self.stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -46,6 +48,7 @@ class ScriptedNode:
                 cmd = reader.reply()
                 name = cmd[0].upper()
                 if name == b"CLUSTER":
+                    self.stop.wait(self.slots_delay_s)
                     conn.sendall(b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:%d"
                                  b"\r\n$2\r\nid\r\n" % self.port)
                 elif name == b"GET":
@@ -138,3 +141,21 @@ def test_a_read_queued_behind_a_read_stuck_on_the_node_misses_by_its_deadline(no
     took = time.monotonic() - t0
     t.join()
     assert not second.ok and took < 0.4, (second.ok, took)  # never sent: a miss on time
+
+
+def test_requests_racing_the_first_slot_map_wait_for_it(node):
+    """Two requests at start (two writers of the daemon): the first loads the slot map,
+    the second waits for it instead of missing every key on an empty map."""
+    n, client = node
+    stored(n, b"a")
+    stored(n, b"b")
+    n.slots_delay_s = 0.3
+    reads = [Op("get", k, target=memoryview(bytearray(SIZE)), size=SIZE) for k in (b"a", b"b")]
+    threads = [threading.Thread(target=client.run, args=([op], time.monotonic() + 2.0))
+               for op in reads]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # the first is loading the map when the second starts
+    for t in threads:
+        t.join()
+    assert [op.ok for op in reads] == [True, True]

@@ -363,7 +363,15 @@ class ClusterClient:
         if not s.stale or now - s.refreshed_at < self.settings.refresh_s:
             return
         if not self._refresh_lock.acquire(blocking=False):
-            return  # another thread refreshes; use the map as it is
+            if s.loaded:
+                return  # another thread refreshes; use the map as it is
+            # No map yet, and another thread is loading it (two writers at start):
+            # going on would miss every key, so wait for it, within the deadline.
+            if not self._refresh_lock.acquire(timeout=max(0.0, deadline - now)):
+                return
+            if s.loaded:
+                self._refresh_lock.release()
+                return
         if s.loaded:
             threading.Thread(target=self._refresh_in_background, daemon=True,
                              name="ems-cluster-refresh").start()
