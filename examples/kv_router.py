@@ -13,8 +13,9 @@ bits, unsigned; with vLLM installed, :func:`prompt_hashes` computes them for sha
 no PYTHONHASHSEED, vLLM's defaults). A prefix counts only while it is unbroken: block
 ``i`` helps only when blocks ``0..i-1`` are there too (a prefix cache needs them all).
 
-Tiers by their labels: ems names its tier in ``ownership`` (``ems-shm``, ``ems-disk``;
-``medium`` CPU / STORAGE), vLLM's own tiers only in ``medium``. A block evicted from a
+Tiers by their labels: ems names its tier in ``ownership`` (``ems-shm``, ``ems-disk``,
+``ems-cluster``; ``medium`` CPU / STORAGE / CPU with locality REMOTE), vLLM's own tiers
+only in ``medium``. A block evicted from a
 host's shared memory but still on its disk stays there at the disk's weight, so a host
 whose disk holds a prefix beats one that holds none, and one whose memory holds it
 beats a disk (``tests/integration/test_kv_router.py`` checks both on real daemons).

@@ -77,7 +77,8 @@ class ThroughTier(DictTier):
     takes_saves_through: ClassVar[bool] = True
 
     def save_through(self, tenant, keys: Sequence[str], extents: Sequence[Extent],
-                     deadline: Optional[float], done) -> bool:
+                     deadline: Optional[float], done, hashes=None) -> bool:
+        self.hashes = hashes
         for key, e in zip(keys, extents):
             view = self.maps.view(tenant, e.offset, e.size)
             self.values[key] = bytes(view)
@@ -181,7 +182,7 @@ def test_saves_through_leave_no_local_copy(world):
     cluster = ThroughTier("cluster", False, maps)
     out = Replies()
     h = _handlers([cluster], out)
-    h.serve(session, m.Reserve, [1, ["k"], [1000], False, None])
+    h.serve(session, m.Reserve, [1, ["k"], [1000], False, [77]])
     granted = out.wires[-1]
     view = maps.view(tenant, granted[4][0], 1000)  # its offset
     view[:] = _value("k")
@@ -190,6 +191,7 @@ def test_saves_through_leave_no_local_copy(world):
     assert out.wires[-1] == m.Committed.wire(rid=2, ok=[True])
     assert cluster.values["k"] == _value("k") and tenant.pool.keys() == []
     assert cluster.stored_keys == [] and session.reservations == {}
+    assert cluster.hashes == [77]  # the engine's hash goes with it (KV events)
 
 
 def test_evictions_reach_the_tiers_that_listen(world):

@@ -95,9 +95,12 @@ _Lane = tuple[Addr, str]
 class Op:
     """One key of a batch: ``kind`` "get" (into ``target``), "set" (``parts``: header
     and payload buffers), "len" (STRLEN equals ``size`` + header), "exists". ``ok`` is
-    the outcome."""
+    the outcome; ``absent``: the home node answered that it holds no such key (a nil
+    GET, STRLEN 0, EXISTS 0), as opposed to a miss by an error, a timeout or a node
+    that could not be asked."""
 
-    __slots__ = ("kind", "key", "slot", "target", "parts", "size", "ok", "moved", "ask")
+    __slots__ = ("kind", "key", "slot", "target", "parts", "size", "ok", "absent", "moved",
+                 "ask")
 
     def __init__(self, kind: str, key: bytes, *, target: Optional[memoryview] = None,
                  parts: Sequence[Any] = (), size: int = 0) -> None:
@@ -108,6 +111,7 @@ class Op:
         self.parts = parts
         self.size = size
         self.ok = False
+        self.absent = False
         self.moved = False
         self.ask: Optional[Addr] = None
 
@@ -184,7 +188,7 @@ class ClusterClient:
                     op.ok = False
                     continue
                 groups.setdefault((addr, op.ask is not None, lane_of(op)), []).append(op)
-                op.moved, op.ask, op.ok = False, None, False
+                op.moved, op.ask, op.ok, op.absent = False, None, False, False
             if not groups:
                 break
             running: list[tuple[Future, _Group, list[Op], _Lane]] = []
@@ -306,7 +310,8 @@ class ClusterClient:
                 self._error(op, other)
                 return 0
             if n < 0:
-                return 0  # nil: not stored
+                op.absent = True  # nil: not stored
+                return 0
             if n != value.HEADER + op.size:  # another size, or not ours: a miss
                 reader.skip(n)
                 reader.crlf()
@@ -327,8 +332,10 @@ class ClusterClient:
             self._error(op, reply)
         elif op.kind == "len":
             op.ok = reply == value.HEADER + op.size
+            op.absent = reply == 0  # (STRLEN of a missing key)
         elif op.kind == "exists":
             op.ok = reply == 1
+            op.absent = reply == 0
         else:
             op.ok = reply == "OK"
         return 0

@@ -59,6 +59,15 @@ waits for that fetch (the TP ranks of an MLA model load the same blocks at once)
 
 Tenants stay apart: the tenant's name is part of every Valkey key's hash tag, and the
 tenant is the one the connection authenticated as, never a client's word.
+
+KV events (``--kv-events``), medium ``ems-cluster`` (CPU, REMOTE), as far as this host
+knows: a write-behind or a save written through that the home node took ->
+``BlockStored`` (the hashes the save brought); a key this host wrote that a home node
+then answers it does not hold (a nil GET, STRLEN or EXISTS 0: Valkey evicted it, or
+another host deleted it) -> ``BlockRemoved``. A miss by a timeout, an error or a node
+down says nothing of the key and publishes nothing. Valkey evicts without telling
+anyone, so a block this host wrote and never asks for again stays announced; routers
+weigh the cluster below the host's own tiers (``examples/kv_router.py``).
 """
 
 from __future__ import annotations
@@ -85,11 +94,14 @@ from ems.server.tier_driver import (
     TierDriver,
     Written,
 )
-from ems.server.tiers import Loop
+from ems.server.tiers import Loop, TierEvents
 
 __all__ = ["ClusterEngine", "start"]
 
 logger = logging.getLogger(__name__)
+
+#: the cluster's name in KV events (``ems.server.kv_events.MEDIUMS``)
+MEDIUM = "ems-cluster"
 
 _FAILED = Written(False, "error")
 
@@ -103,12 +115,22 @@ class ClusterEngine(Engine):
     parallel_reads: ClassVar[bool] = False
     batch_writes: ClassVar[bool] = True
 
-    def __init__(self, settings: ClusterSettings) -> None:
+    def __init__(self, settings: ClusterSettings, events: Optional[TierEvents] = None
+                 ) -> None:
         missing = value.available()
         if missing:
             raise RuntimeError(missing)
         self.settings = settings
+        self.events = events
         self.client = ClusterClient(settings)
+
+    def _absent(self, tenant: Tenant, keys: Sequence[str], ops: Sequence[Op]) -> None:
+        """``BlockRemoved(ems-cluster)`` of the keys a home node said it does not hold
+        (the publisher names only those this host announced there)."""
+        if self.events is not None:
+            gone = [k for k, op in zip(keys, ops) if op.absent]
+            if gone:
+                self.events.tier_removed(tenant.name, gone, MEDIUM, any_writer=True)
 
     def probe(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]],
               deadline: float) -> list[bool]:
@@ -117,6 +139,7 @@ class ClusterEngine(Engine):
                if sizes is not None else Op("exists", cluster_key(tenant.name, k))
                for i, k in enumerate(keys)]
         self.client.run(ops, deadline)
+        self._absent(tenant, keys, ops)
         return [op.ok for op in ops]
 
     def read_batch(self, tenant: Tenant, targets: Sequence[Target], deadline: float
@@ -125,6 +148,7 @@ class ClusterEngine(Engine):
         ops = [Op("get", cluster_key(tenant.name, t.key), target=t.memory,
                   size=len(t.memory)) for t in targets]
         self.client.run(ops, deadline)
+        self._absent(tenant, [t.key for t in targets], ops)
         return [ReadOutcome.HIT if op.ok else ReadOutcome.MISS for op in ops]
 
     def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
@@ -139,6 +163,13 @@ class ClusterEngine(Engine):
             ops.append(Op("set", ck, parts=[value.header(ck, s.memory), s.memory]))
         assert deadline is not None  # the driver's write_out_s / max_op_s
         self.client.run(ops, deadline)
+        if self.events is not None:
+            took = [s for s, op in zip(sources, ops) if op.ok]
+            if took:
+                hashes = [s.hash for s in took]
+                self.events.tier_stored(
+                    tenant.name, [s.key for s in took], MEDIUM,
+                    hashes if any(h is not None for h in hashes) else None)
         return [WRITTEN if op.ok else _FAILED for op in ops]
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
@@ -163,11 +194,11 @@ class ClusterEngine(Engine):
         self.client.close()
 
 
-def start(config: ServerConfig, loop: Loop, workers: int = 4,
-          clock: Callable[[], float] = time.monotonic) -> TierDriver:
-    """The tier of a daemon's ``config`` (``cluster`` set), its deadlines on ``clock``
-    (the daemon's); raises RuntimeError when it cannot run (the checksum package
-    missing)."""
+def start(config: ServerConfig, loop: Loop, events: Optional[TierEvents] = None,
+          workers: int = 4, clock: Callable[[], float] = time.monotonic) -> TierDriver:
+    """The tier of a daemon's ``config`` (``cluster`` set), telling ``events`` (KV
+    events) what it stores and finds gone, its deadlines on ``clock`` (the daemon's);
+    raises RuntimeError when it cannot run (the checksum package missing)."""
     from ems.cluster.topology import parse_url
     assert config.cluster is not None
     settings = parse_url(config.cluster, config.cluster_ca_file,
@@ -176,7 +207,7 @@ def start(config: ServerConfig, loop: Loop, workers: int = 4,
         settings = dataclasses.replace(settings, password=config.cluster_password)
     # A fetch writes into a reservation: it must end well before the pool may expire
     # that reservation and give its space to another key.
-    tier = TierDriver(ClusterEngine(settings), loop, DriverSettings(
+    tier = TierDriver(ClusterEngine(settings, events), loop, DriverSettings(
         read_workers=workers, write_workers=workers,
         max_op_s=min(settings.op_timeout_s, config.reservation_ttl_s / 2),
         write_out_s=settings.op_timeout_s,

@@ -205,7 +205,7 @@ class Daemon:
 
     def _start_tiers(self, events: Optional[TierEvents]) -> list[Tier]:
         """The tiers of ``config``, in lookup order: disk, then cluster (``events``:
-        told of the disk's stores and removals, for KV events)."""
+        told of their stores and removals, for KV events)."""
         tiers: list[Tier] = []
         try:
             if self.config.disk is not None:
@@ -214,7 +214,7 @@ class Daemon:
                                              events, clock=self.clock))
             if self.config.cluster:
                 from ems.server import cluster_tier
-                tiers.append(cluster_tier.start(self.config, self, clock=self.clock))
+                tiers.append(cluster_tier.start(self.config, self, events, clock=self.clock))
         except RuntimeError as exc:
             for tier in tiers:
                 tier.close()

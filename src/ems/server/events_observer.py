@@ -56,11 +56,22 @@ class EventsObserver(Observer, TierEvents):
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
         self.publisher.evicted(tenant.name, [key], SHM)
 
-    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str) -> None:
-        self.publisher.copied(tenant, keys, tier)
+    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str,
+                    hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        if hashes is None:
+            self.publisher.copied(tenant, keys, tier)
+            return
+        known = [(k, h) for k, h in zip(keys, hashes) if h is not None]
+        if known:
+            self.publisher.stored(tenant, [h for _, h in known], tier,
+                                  keys=[k for k, _ in known])
+        rest = [k for k, h in zip(keys, hashes) if h is None]
+        if rest:
+            self.publisher.copied(tenant, rest, tier)
 
-    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str) -> None:
-        self.publisher.evicted(tenant, keys, tier)
+    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str, *,
+                     any_writer: bool = False) -> None:
+        self.publisher.evicted(tenant, keys, tier, count_untracked=not any_writer)
 
     def report(self) -> EventsReport:
         return self.publisher.statistics()

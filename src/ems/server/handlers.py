@@ -302,7 +302,8 @@ class Handlers:
         assert self._through is not None and session.tenant is not None
         self._through.save_through(session.tenant, [e.key for e in sends if e is not None],
                                    [Extent(e.offset, e.size) for e in sends if e is not None],
-                                   self._deadline(budget_ms), then)
+                                   self._deadline(budget_ms), then,
+                                   [e.hash for e in sends if e is not None])
 
     def _on_abort(self, session: Session, pool: Pool, tokens: list[int]) -> None:
         pool.abort(tokens, session.id)
@@ -331,7 +332,7 @@ class Handlers:
                                                        lease_size=size))
 
             through.save_through(tenant, keys, [Extent(o, s) for o, s in zip(offsets, sizes)],
-                                 self._deadline(budget_ms), then)
+                                 self._deadline(budget_ms), then, hashes)
             return
         try:
             statuses = pool.carve(keys, offsets, sizes, session.id)

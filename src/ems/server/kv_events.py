@@ -216,10 +216,12 @@ class KvEventPublisher:
         if known:
             self.stored(tenant, known, medium, keys=known_keys)
 
-    def evicted(self, tenant: str, keys: Sequence[str], medium: str = "ems-shm") -> None:
+    def evicted(self, tenant: str, keys: Sequence[str], medium: str = "ems-shm", *,
+                count_untracked: bool = True) -> None:
         """Keys that left tier ``medium``: ``BlockRemoved`` of the hashes
         :meth:`stored` remembered for them in that tier (keys it does not know there
-        are counted); a key is forgotten once no tier holds it."""
+        are counted, unless ``count_untracked`` is False: a shared tier's misses of
+        keys other hosts wrote); a key is forgotten once no tier holds it."""
         bit = _BIT[self._medium(medium)[2]]
         by_space: dict[str, list[int]] = {}
         tracked = self._tracked
@@ -227,7 +229,8 @@ class KvEventPublisher:
             for key in keys:
                 packed = tracked.get((tenant, key))
                 if packed is None or not (packed >> 64) & bit:
-                    self._counts["untracked_removals"] += 1
+                    if count_untracked:
+                        self._counts["untracked_removals"] += 1
                     continue
                 rest = (packed >> 64) & ~bit
                 if rest:

@@ -119,10 +119,12 @@ WRITTEN = Written(True)
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A key and the memory its value is read into or written from."""
+    """A key and the memory its value is read into or written from; ``hash``: the
+    engine's block hash of a save written through (KV events), where it sent one."""
 
     key: str
     memory: memoryview
+    hash: Optional[int] = None
 
 
 class Admission(Protocol):
@@ -706,18 +708,21 @@ class TierDriver(Tier):
         return True
 
     def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
-                     deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
+                     deadline: Optional[float], done: Callable[[list[bool]], None],
+                     hashes: Optional[Sequence[Optional[int]]] = None) -> bool:
         """A save with ``write_rcache`` False: to the engine only (no local copy)."""
         if not self.engine.takes_saves_through or not self._usable():
             return False
         self._write(tenant, keys, extents, self._deadline(deadline),
-                    lambda outcomes: done([w.stored for w in outcomes]))
+                    lambda outcomes: done([w.stored for w in outcomes]), hashes)
         return True
 
     def _write(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
-               deadline: Optional[float], then: Callable[[list[Written]], None]) -> None:
+               deadline: Optional[float], then: Callable[[list[Written]], None],
+               hashes: Optional[Sequence[Optional[int]]] = None) -> None:
         """Write each key from its pool memory on a writer; count, then ``then`` on the
-        loop (a failure is an outcome, never a stuck pin)."""
+        loop (a failure is an outcome, never a stuck pin). ``hashes``: the engine's
+        block hashes of a save written through (``Target.hash``)."""
         engine = self.engine
         engine_deadline = None if deadline is None else self._engine_deadline(deadline)
 
@@ -728,8 +733,9 @@ class TierDriver(Tier):
             try:
                 for e in extents:
                     views.append(self._memory.view(tenant, e.offset, e.size))
-                outcomes = engine.write_batch(
-                    tenant, [Target(k, v) for k, v in zip(keys, views)], engine_deadline)
+                outcomes = engine.write_batch(tenant, [
+                    Target(k, v, None if hashes is None else hashes[i])
+                    for i, (k, v) in enumerate(zip(keys, views))], engine_deadline)
             except Exception:  # noqa: BLE001 - a bug is a write not done
                 logger.exception("ems %s: a write failed", engine.name)
                 outcomes = [Written(False, "io_error")] * len(keys)

@@ -133,10 +133,13 @@ class Tier:
         memory (``CcKvOption.write_out``): not written out, counted."""
 
     def save_through(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
-                     deadline: Optional[float], done: Callable[[list[bool]], None]) -> bool:
+                     deadline: Optional[float], done: Callable[[list[bool]], None],
+                     hashes: Optional[Sequence[Optional[int]]] = None) -> bool:
         """Store values that a client wrote into ``extents`` of the pool in this tier
         only; ``done(ok per key)`` on the loop when they are (or are not) stored, after
-        which the extents are given back. False: not handled (stored locally)."""
+        which the extents are given back. False: not handled (stored locally).
+        ``hashes``: the engine's block hash of each key, where the save carried them
+        (KV events)."""
         return False
 
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
@@ -199,11 +202,18 @@ class TierEvents(Protocol):
     """What a tier beyond shared memory tells KV events (``ems.server.events_observer``)
     of its own stores and removals, by tenant name and key, from any thread."""
 
-    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str) -> None:
-        """``keys`` are now held by ``tier`` (an ``ems.server.kv_events.MEDIUMS`` name)."""
+    def tier_stored(self, tenant: str, keys: Sequence[str], tier: str,
+                    hashes: Optional[Sequence[Optional[int]]] = None) -> None:
+        """``keys`` are now held by ``tier`` (an ``ems.server.kv_events.MEDIUMS`` name);
+        ``hashes``: their engine block hashes where the tier got them with the save (a
+        save written through, never in shared memory); the others' are the ones their
+        save into shared memory brought."""
 
-    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str) -> None:
-        """``keys`` left ``tier`` (evicted, dropped, deleted)."""
+    def tier_removed(self, tenant: str, keys: Sequence[str], tier: str, *,
+                     any_writer: bool = False) -> None:
+        """``keys`` left ``tier`` (evicted, dropped, deleted). ``any_writer``: the tier
+        is shared with other hosts and found these keys missing, whoever wrote them: a
+        key this host never announced there is not an untracked removal."""
 
 
 class TierCounters:
