@@ -84,8 +84,10 @@ def _disk_lines(report: DaemonReport, disk: DiskReport) -> list[str]:
              f"{_size(disk.inflight_write_bytes)}",
              f"  recovery: {disk.records_recovered} record(s) in "
              f"{disk.recovery_s:.3f} s ({'scan skipped' if disk.scan_skipped else 'scanned'}"
-             f"), {disk.records_dropped_damaged} dropped as damaged; "
-             f"{disk.checkpoints} checkpoint(s)"]
+             f"), {disk.records_dropped_damaged} dropped as damaged"
+             + (f", {disk.announced_recovered} announced to KV events"
+                if disk.announced_recovered else "")
+             + f"; {disk.checkpoints} checkpoint(s)"]
     unwritten = {k: v for k, v in disk.unwritten.items() if v}
     if unwritten or disk.save_waits:  # (an older daemon sends no such counters)
         lines.append("  not written: " + (", ".join(

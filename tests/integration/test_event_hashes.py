@@ -3,7 +3,11 @@ travel in the ``hashes`` field of Put and Reserve to a real daemon."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
+from support.itest_support import wait_for
 
 from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client import remote
@@ -161,3 +165,89 @@ def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_en
     assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
     assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
     assert disk["regions_evicted"] >= 1
+
+
+def _replayed(zmq, endpoint: str) -> list[dict]:
+    """Every event the daemon still buffers, from sequence 0 (vLLM's replay protocol)."""
+    from ems.server.kv_events import decode_batch
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    events: list[dict] = []
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while dealer.poll(5000):
+            _, _topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return events
+            events.extend(decode_batch(payload)[1])
+        raise AssertionError("the replay did not end")
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def test_a_restart_announces_what_the_disk_recovered(make_server, client_env, tmp_path,
+                                                      monkeypatch):
+    """``disk.announce_recovered`` (on by default): a daemon stopped cleanly and started
+    again on the same disk publishes ``AllBlocksCleared`` and then
+    ``BlockStored(ems-disk)`` of exactly the hashes of the records it recovered; with
+    the setting off, only ``AllBlocksCleared``. The side file survives a crash too
+    (``kill -9``): what it held at the last interval is announced."""
+    zmq = pytest.importorskip("zmq")
+    from support.control_support import free_port
+    disk = tmp_path / "disk"
+
+    def start(announce: bool = True):
+        port, replay = free_port(), free_port()
+        config = tmp_path / f"ems-{port}.toml"
+        config.write_text(f"[disk]\nannounce_recovered = {str(announce).lower()}\n"
+                          "checkpoint_s = 0.2\n")
+        server = make_server(capacity="64M", extra_args=[
+            "--config", str(config), "--disk", str(disk),
+            "--kv-events", f"tcp://127.0.0.1:{port}",
+            "--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--host-name", "host-r"])
+        return server, f"tcp://127.0.0.1:{replay}"
+
+    def stored_on_disk(events) -> set[int]:
+        return {h for e in events if e["type"] == "BlockStored"
+                and e["ownership"] == "ems-disk" for h in e["block_hashes"]}
+    server, replay = start()
+    client_env(server)
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="er")))
+    try:
+        cc = Ems.get_cc()
+        cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+        opt = CcKvOption(timeout=5000)
+        hashes = list(range(7000, 7020))
+        assert cc.save(hashes=list(range(20)), chunk_descs=_chunks(range(20)), option=opt,
+                       event_hashes=hashes).success == 20
+        cc.save(hashes=[50, 51], chunk_descs=_chunks([0, 1]), option=opt)  # no hashes
+        wait_for(lambda: set(hashes) <= stored_on_disk(_replayed(zmq, replay)), 20.0,
+                 "the records on disk")
+    finally:
+        Ems.finalize()
+    server.stop()  # SIGTERM: the side file written last
+    server, replay = start()
+    events = wait_for(lambda: (got := _replayed(zmq, replay)) and
+                      set(hashes) <= stored_on_disk(got) and got, 20.0, "the announcement")
+    assert events[0]["type"] == "AllBlocksCleared"
+    assert stored_on_disk(events) == set(hashes)  # exactly what the engine sent
+    assert not [e for e in events if e["type"] == "BlockStored"
+                and e["ownership"] == "ems-shm"]  # only the disk holds them now
+    assert server.stats()["disk"]["announced_recovered"] == 20
+    # a crash: the side file of the last interval (0.2 s) is what it announces
+    restarted = time.time()
+    wait_for(lambda: os.path.getmtime(disk / "kv-hashes") > restarted, 10.0,
+             "the side file rewritten")
+    server.kill()
+    server, replay = start()
+    wait_for(lambda: set(hashes) <= stored_on_disk(_replayed(zmq, replay)), 20.0,
+             "the announcement after a crash")
+    server.stop()
+    server, replay = start(announce=False)
+    wait_for(lambda: server.stats()["disk"]["state"] == "ok", 20.0, "recovery")
+    events = _replayed(zmq, replay)  # (with the setting off nothing announces later)
+    assert [e["type"] for e in events] == ["AllBlocksCleared"]
+    assert server.stats()["disk"]["announced_recovered"] == 0

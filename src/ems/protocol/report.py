@@ -398,6 +398,9 @@ class DiskReport(WireRow):
     not_admitted: int = 0
     skipped_caller: int = 0
     skipped_forgotten: int = 0
+    #: recovered records announced to KV events after the start
+    #: (``disk.announce_recovered``)
+    announced_recovered: int = 0
     flushed_on_stop: int = 0
 
 

@@ -250,6 +250,10 @@ class DiskConfig:
     quotas_bytes: Mapping[str, int] = table(
         "a tenant's disk bytes", Size(), key="quotas", check_key=_disk_tenant,
         shown="its share of the pool's capacity, of the disk's")
+    announce_recovered: bool = setting(
+        "with --kv-events: after a restart, publish BlockStored(ems-disk) for the "
+        "recovered records whose engine hash was known at the last checkpoint interval "
+        "or clean stop (kept in DIR/kv-hashes)", Boolean(), default=True)
     io_delay_ms: float = setting(
         "fault testing only: every read and write of the disk waits this long first, ms",
         Number(0, 86400), default=0.0)

@@ -58,6 +58,9 @@ KV events (``--kv-events``): a record written -> ``BlockStored``, a key that lef
 disk (its region evicted, its record damaged or its file lost) -> ``BlockRemoved``,
 both with medium ``ems-disk`` and for keys whose save brought the engine's hashes
 (``ems.server.tiers.TierEvents``; the store names the keys an evicted region held).
+After a restart (``disk.announce_recovered``, on by default) ``BlockStored`` of the
+recovered records whose hash the side file ``DIR/kv-hashes`` kept
+(``ems.server.disk_announce``: written every checkpoint interval and at a clean stop).
 
 Stop: SIGTERM writes the objects of shared memory that are not on disk yet, for at
 most ``flush_on_stop_s``, then checkpoints and marks a clean shutdown, so the next
@@ -68,11 +71,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 from ems.disk import DiskSettings, DiskState, DiskStore, DiskStoreLocked, ReadResult, WriteResult
 from ems.protocol.report import DaemonReport, DiskReport, DiskTenantRow, TierTotals
+from ems.server import disk_announce
 from ems.server.config import ANONYMOUS, DiskConfig, ServerConfig
 from ems.server.tenants import Tenant
 from ems.server.tier_driver import (
@@ -95,6 +100,8 @@ logger = logging.getLogger(__name__)
 
 #: the disk's name in KV events (``ems.server.kv_events.MEDIUMS``)
 MEDIUM = "ems-disk"
+#: recovered records announced per event
+ANNOUNCE_CHUNK = 4096
 _READ = {ReadResult.HIT: ReadOutcome.HIT, ReadResult.TIMEOUT: ReadOutcome.TIMEOUT,
          ReadResult.DAMAGED: ReadOutcome.DAMAGED, ReadResult.IO_ERROR: ReadOutcome.IO_ERROR}
 _WARN = {WriteResult.QUOTA: "a tenant's disk share is full and nothing of it can be "
@@ -128,6 +135,56 @@ class DiskEngine(Engine):
         #: a save larger than one write buffer is written in write buffers side by
         #: side, one per writer, instead of one buffer after the other
         self.write_chunk_bytes = config.write_buffer_bytes
+        #: recovered records announced to KV events (``disk.announce_recovered``)
+        self.announced = 0
+        self._announced = threading.Event()
+        self._stop = threading.Event()
+        self._keeper: Optional[threading.Thread] = None
+        if events is not None and config.announce_recovered:
+            self._keeper = threading.Thread(target=self._keep_hashes, daemon=True,
+                                            name="ems-disk-kv-hashes")
+            self._keeper.start()
+
+    # --- KV events across a restart (ems.server.disk_announce) ------------------------
+
+    def _keep_hashes(self) -> None:
+        """(its own thread) Announce what recovery found, then keep the side file."""
+        assert self.events is not None
+        store = self.store
+        while not store.wait_recovered(1.0):
+            if self._stop.is_set():
+                return
+        if store.state is not DiskState.OK:
+            return
+        known = disk_announce.load(self.config.path)
+        for tenant, keys in store.keys().items() if known else ():
+            digests = known.get(tenant)
+            if not digests:
+                continue
+            found = [(k, h) for k in keys
+                     if (h := digests.get(disk_announce.key_digest(k))) is not None]
+            for i in range(0, len(found), ANNOUNCE_CHUNK):
+                if self._stop.is_set():
+                    return  # stopped while announcing: the old side file stays
+                part = found[i:i + ANNOUNCE_CHUNK]
+                self.events.tier_stored(tenant, [k for k, _ in part], MEDIUM,
+                                        [h for _, h in part])
+                self.announced += len(part)
+        if self.announced:
+            logger.info("ems disk: %d recovered records announced to KV events",
+                        self.announced)
+        self._announced.set()
+        while not self._stop.wait(self.config.checkpoint_s):
+            self._save_hashes()
+
+    def _save_hashes(self) -> None:
+        assert self.events is not None
+        try:
+            disk_announce.save(self.config.path, self.events.held(MEDIUM))
+        except OSError as exc:
+            logger.warning("ems disk: cannot write %s/%s (%s): a restart will not "
+                           "announce the newest records", self.config.path,
+                           disk_announce.FILE, exc)
 
     def usable(self) -> bool:
         return self.store.state is not DiskState.OFF
@@ -202,7 +259,8 @@ class DiskEngine(Engine):
             evicted_before_write=books.evicted_before_write,
             unwritten=books.unwritten, save_waits=books.save_waits,
             not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
-            skipped_forgotten=books.skipped_forgotten, flushed_on_stop=books.flushed_on_stop)
+            skipped_forgotten=books.skipped_forgotten, flushed_on_stop=books.flushed_on_stop,
+            announced_recovered=self.announced)
 
     def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
         """``ems_disk_*`` (see ``ems.server.metrics``), from ``report.disk`` and the
@@ -267,7 +325,13 @@ class DiskEngine(Engine):
         return out + per
 
     def close(self) -> None:
-        """Checkpoint and mark a clean shutdown (after the driver's flush)."""
+        """Write the side file of hashes (when its keeper got that far), checkpoint
+        and mark a clean shutdown (after the driver's flush)."""
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(10.0)
+            if self._announced.is_set() and not self._keeper.is_alive():
+                self._save_hashes()
         self.store.close(clean=True)
 
 

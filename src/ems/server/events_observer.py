@@ -73,5 +73,8 @@ class EventsObserver(Observer, TierEvents):
                      any_writer: bool = False) -> None:
         self.publisher.evicted(tenant, keys, tier, count_untracked=not any_writer)
 
+    def held(self, tier: str) -> dict[str, list[tuple[str, int]]]:
+        return self.publisher.tracked(tier)
+
     def report(self) -> EventsReport:
         return self.publisher.statistics()

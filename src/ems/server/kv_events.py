@@ -241,6 +241,18 @@ class KvEventPublisher:
         for space, hs in by_space.items():
             self.removed(tenant, hs, medium, space=space)
 
+    def tracked(self, medium: str) -> dict[str, list[tuple[str, int]]]:
+        """tenant -> (key, hash) of every key it remembers in tier ``medium`` (a
+        snapshot: the disk tier keeps it across restarts, ``ems.server.disk_announce``)."""
+        bit = _BIT[self._medium(medium)[2]]
+        with self._lock:
+            items = list(self._tracked.items())
+        out: dict[str, list[tuple[str, int]]] = {}
+        for (tenant, key), packed in items:
+            if (packed >> 64) & bit:
+                out.setdefault(tenant, []).append((key, packed & _MASK))
+        return out
+
     def cleared(self) -> None:
         """``AllBlocksCleared`` for this host (at start, and when the pool is emptied)."""
         with self._lock:

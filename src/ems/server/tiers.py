@@ -215,6 +215,10 @@ class TierEvents(Protocol):
         is shared with other hosts and found these keys missing, whoever wrote them: a
         key this host never announced there is not an untracked removal."""
 
+    def held(self, tier: str) -> dict[str, list[tuple[str, int]]]:
+        """tenant -> (key, engine hash) of the keys announced in ``tier`` and not
+        removed since (what the disk keeps across a restart)."""
+
 
 class TierCounters:
     """A tier's counters, in all and per tenant (updated by its workers and its loop
