@@ -330,29 +330,38 @@ class DiskIndex:
         self._tenant_bytes[tenant] = self.tenant_bytes(tenant) + end
         self.next_region = max(self.next_region, region + 1)
 
-    def restore_entry(self, tenant: str, key: str, loc: Location) -> bool:
-        """Add a record found on disk; the newest write of a key wins. False when the
-        record's region is unknown or a newer record of the key is already known."""
-        r = self._regions.get(loc.region)
+    def restore_scanned(self, tenant: str, region: int, keys: Sequence[str],
+                        offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int],
+                        checksums: Sequence[int]) -> int:
+        """Add the records one scan of ``region`` found on disk, as columns: the newest
+        write of a key wins (over the checkpoint's entries and the other regions').
+        Returns how many were kept (none when the region is unknown). One loop of
+        ints, no :class:`Location` per record: ~1 us a record."""
+        r = self._regions.get(region)
         if r is None or r.tenant != tenant:
-            return False
+            return 0
         entries = self._entries.setdefault(tenant, {})
-        old = entries.get(key)
-        if old is not None:
-            prev = Location.unpack(old)
-            if prev.seq >= loc.seq:
-                return False
-            self._value_bytes[tenant] -= prev.size
-        entries[key] = _pack(loc.region, loc.offset, loc.size, loc.seq, loc.checksum)
-        self._value_bytes[tenant] = self.value_bytes(tenant) + loc.size
-        r.keys.append(key)
-        return True
+        base = region << _REGION_AT
+        kept = r.keys
+        added = 0
+        before = len(kept)
+        for key, off, size, seq, x in zip(keys, offsets, sizes, seqs, checksums):
+            old = entries.get(key)
+            if old is not None:
+                if (old >> _SEQ_AT) & _SEQ_MASK >= seq:
+                    continue
+                added -= (old >> _SIZE_AT) & _SIZE_MASK
+            entries[key] = base | (off << _OFFSET_AT) | (size << _SIZE_AT) | (seq << _SEQ_AT) | x
+            added += size
+            kept.append(key)
+        self._value_bytes[tenant] = self.value_bytes(tenant) + added
+        return len(kept) - before
 
     def restore_bulk(self, tenant: str, keys: list[str], regions: Sequence[int],
                      offsets: Sequence[int], sizes: Sequence[int], seqs: Sequence[int],
                      checksums: Sequence[int]) -> int:
-        """:meth:`restore_entry` for a checkpoint's columns, into a fresh index whose
-        regions are restored (each key at most once); returns how many were kept. The
+        """Add a checkpoint's columns into a fresh index whose regions are restored
+        (each key at most once); returns how many were kept. The
         packing and the dict are built by comprehension and ``dict.update`` and only one
         cheap loop remains (grouping keys by region): a million in ~1 s."""
         entries = self._entries.setdefault(tenant, {})
