@@ -5,9 +5,10 @@ A disk record holds its tenant, its storage key and its value; the engine's bloc
 that a KV-aware router matches came with the save and lives only in the KV events
 publisher's memory (``ems.server.kv_events``). So the disk tier keeps a side file,
 ``DIR/kv-hashes``: for each tenant the keys the publisher knows on the disk, as the
-XXH3-64 of the key and the engine's hash, written at every checkpoint interval and at
-a clean stop (a temporary file, fsynced, renamed over the old one, the directory
-fsynced: the file is the old one or the new one, never a mix). After a restart::
+XXH3-64 of the key and the engine's hash, written at every checkpoint interval in
+which the disk stored or removed something and at a clean stop (a temporary file,
+fsynced, renamed over the old one, the directory fsynced: the file is the old one or
+the new one, never a mix; a million keys take 0.5 s of CPU to encode). After a restart::
 
     AllBlocksCleared (the publisher, at start)
       -> recovery of the disk (its own thread)
