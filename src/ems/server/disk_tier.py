@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
@@ -100,8 +99,6 @@ logger = logging.getLogger(__name__)
 
 #: the disk's name in KV events (``ems.server.kv_events.MEDIUMS``)
 MEDIUM = "ems-disk"
-#: recovered records announced per event
-ANNOUNCE_CHUNK = 4096
 _READ = {ReadResult.HIT: ReadOutcome.HIT, ReadResult.TIMEOUT: ReadOutcome.TIMEOUT,
          ReadResult.DAMAGED: ReadOutcome.DAMAGED, ReadResult.IO_ERROR: ReadOutcome.IO_ERROR}
 _WARN = {WriteResult.QUOTA: "a tenant's disk share is full and nothing of it can be "
@@ -135,65 +132,12 @@ class DiskEngine(Engine):
         #: a save larger than one write buffer is written in write buffers side by
         #: side, one per writer, instead of one buffer after the other
         self.write_chunk_bytes = config.write_buffer_bytes
-        #: recovered records announced to KV events (``disk.announce_recovered``)
-        self.announced = 0
-        #: the disk's stores and removals told to KV events, and their number at the
-        #: last side file: it is rewritten only when they changed (a million keys cost
-        #: 0.5 s of CPU to encode and 16 MB to write)
-        self._changes = 0
-        self._saved_at = -1
-        self._announced = threading.Event()
-        self._stop = threading.Event()
-        self._keeper: Optional[threading.Thread] = None
+        #: announces what recovery found and keeps the engine's hashes across restarts
+        #: (``disk.announce_recovered``; ``ems.server.disk_announce``)
+        self.keeper: Optional[disk_announce.HashKeeper] = None
         if events is not None and config.announce_recovered:
-            self._keeper = threading.Thread(target=self._keep_hashes, daemon=True,
-                                            name="ems-disk-kv-hashes")
-            self._keeper.start()
-
-    # --- KV events across a restart (ems.server.disk_announce) ------------------------
-
-    def _keep_hashes(self) -> None:
-        """(its own thread) Announce what recovery found, then keep the side file."""
-        assert self.events is not None
-        store = self.store
-        while not store.wait_recovered(1.0):
-            if self._stop.is_set():
-                return
-        if store.state is not DiskState.OK:
-            return
-        known = disk_announce.load(self.config.path)
-        for tenant, keys in store.keys().items() if known else ():
-            digests = known.get(tenant)
-            if not digests:
-                continue
-            found = [(k, h) for k in keys
-                     if (h := digests.get(disk_announce.key_digest(k))) is not None]
-            for i in range(0, len(found), ANNOUNCE_CHUNK):
-                if self._stop.is_set():
-                    return  # stopped while announcing: the old side file stays
-                part = found[i:i + ANNOUNCE_CHUNK]
-                self.events.tier_stored(tenant, [k for k, _ in part], MEDIUM,
-                                        [h for _, h in part])
-                self.announced += len(part)
-        if self.announced:
-            logger.info("ems disk: %d recovered records announced to KV events",
-                        self.announced)
-        self._announced.set()
-        while not self._stop.wait(self.config.checkpoint_s):
-            self._save_hashes()
-
-    def _save_hashes(self) -> None:
-        assert self.events is not None
-        changes = self._changes  # (an int read: a racing change is saved next time)
-        if changes == self._saved_at:
-            return
-        try:
-            disk_announce.save(self.config.path, self.events.held(MEDIUM))
-            self._saved_at = changes
-        except OSError as exc:
-            logger.warning("ems disk: cannot write %s/%s (%s): a restart will not "
-                           "announce the newest records", self.config.path,
-                           disk_announce.FILE, exc)
+            self.keeper = disk_announce.HashKeeper(self.store, config.path, events, MEDIUM,
+                                                   config.checkpoint_s)
 
     def usable(self) -> bool:
         return self.store.state is not DiskState.OFF
@@ -242,14 +186,16 @@ class DiskEngine(Engine):
             stored = [s.key for s, r in zip(sources, results) if r is WriteResult.WRITTEN]
             if stored:
                 self.events.tier_stored(tenant.name, stored, MEDIUM)
-                self._changes += 1
+                if self.keeper is not None:
+                    self.keeper.changed()
         return [WRITTEN if r in (WriteResult.WRITTEN, WriteResult.EXISTS)
                 else Written(False, r.value, _WARN.get(r)) for r in results]
 
     def _removed(self, tenant: str, keys: Sequence[str]) -> None:
         assert self.events is not None
         self.events.tier_removed(tenant, keys, MEDIUM)
-        self._changes += 1
+        if self.keeper is not None:
+            self.keeper.changed()
 
     def tenant_report(self, tenant: Tenant, books: DriverStatistics) -> DiskTenantRow:
         for t in self.store.statistics().tenants:
@@ -271,7 +217,7 @@ class DiskEngine(Engine):
             unwritten=books.unwritten, save_waits=books.save_waits,
             not_admitted=books.not_admitted, skipped_caller=books.skipped_caller,
             skipped_forgotten=books.skipped_forgotten, flushed_on_stop=books.flushed_on_stop,
-            announced_recovered=self.announced)
+            announced_recovered=0 if self.keeper is None else self.keeper.announced)
 
     def metric_families(self, report: DaemonReport) -> list[MetricFamily]:
         """``ems_disk_*`` (see ``ems.server.metrics``), from ``report.disk`` and the
@@ -338,11 +284,8 @@ class DiskEngine(Engine):
     def close(self) -> None:
         """Write the side file of hashes (when its keeper got that far), checkpoint
         and mark a clean shutdown (after the driver's flush)."""
-        self._stop.set()
-        if self._keeper is not None:
-            self._keeper.join(10.0)
-            if self._announced.is_set() and not self._keeper.is_alive():
-                self._save_hashes()
+        if self.keeper is not None:
+            self.keeper.close()
         self.store.close(clean=True)
 
 
