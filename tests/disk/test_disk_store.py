@@ -26,6 +26,7 @@ from ems.disk import (
     ReadResult,
     WriteResult,
 )
+from ems.disk.io import LocalFileSystem
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 MiB = 1 << 20
@@ -493,4 +494,60 @@ def test_threads_writing_reading_and_evicting_never_see_wrong_bytes(tmp_path):
         assert st.checkpoints > 0
         store._index.check()
     finally:
+        store.close()
+
+
+class _CountingFS(LocalFileSystem):
+    """The host's file system, counting reads (one ``preadv`` each)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read_at(self, fd, views, offset):
+        self.reads += 1
+        return super().read_at(fd, views, offset)
+
+
+def test_a_batch_of_back_to_back_records_is_read_in_one_transfer(tmp_path):
+    """A save's blocks lie back to back in one region file: ``read_batch`` reads them
+    with one ``preadv`` (into page-aligned memory: O_DIRECT where the file system has
+    it), checks each record alone, and a damaged one is dropped alone; keys in another
+    order, missing keys and another region split the runs."""
+    fs = _CountingFS()
+    store = DiskStore(DiskSettings(str(tmp_path), 256 * MiB, region_bytes=4 * MiB,
+                                   checkpoint_s=0), fs=fs)
+    store.open()
+    assert store.wait_recovered(30)
+    size = 64 * KiB
+    keys = [f"k{i}" for i in range(8)]
+    values = [value_of(k, size) for k in keys]
+    assert store.write_batch("t", list(zip(keys, map(memoryview, values)))) == \
+        [WriteResult.WRITTEN] * 8
+    arena = mmap.mmap(-1, 9 * size)
+    views = [memoryview(arena)[i * size:(i + 1) * size] for i in range(9)]
+    try:
+        deadline = time.monotonic() + 30
+        fs.reads = 0
+        assert store.read_batch("t", list(zip(keys, views)), deadline) == [ReadResult.HIT] * 8
+        assert fs.reads == 1  # 512 KiB, one transfer (below the 1 MiB read chunk)
+        assert [bytes(v) for v in views[:8]] == values
+        fs.reads = 0  # a gap (k3 missing from the batch asked) and a key not stored
+        got = store.read_batch("t", [(k, v) for k, v in zip(
+            ["k0", "k1", "k2", "k4", "k5", "nope"], views)], deadline)
+        assert got == [ReadResult.HIT] * 5 + [ReadResult.MISS] and fs.reads == 2
+        # one record damaged on disk: only it is a miss (dropped), its neighbours hit
+        region = next(p for p in tmp_path.rglob("*.region"))
+        raw = bytearray(region.read_bytes())
+        at = raw.find(values[5][:64])
+        raw[at + 100] ^= 0xFF
+        region.write_bytes(bytes(raw))
+        got = store.read_batch("t", list(zip(keys, views)), deadline)
+        assert got == [ReadResult.HIT] * 5 + [ReadResult.DAMAGED] + [ReadResult.HIT] * 2
+        assert not store.contains("t", "k5") and store.contains("t", "k6")
+        st = store.statistics()
+        assert st.read_damaged == 1 and st.records_dropped_damaged == 1
+    finally:
+        for v in views:
+            v.release()
+        arena.close()
         store.close()

@@ -120,6 +120,23 @@ class ReadResult(enum.Enum):
     OFF = "off"
 
 
+class _Run:
+    """Records of one read batch that lie back to back in one region file: read with
+    one transfer (``DiskStore.read_batch``)."""
+
+    __slots__ = ("file", "region", "indexes", "locs", "end")
+
+    def __init__(self, file: RegionFile, region: int, indexes: list[int],
+                 locs: list[Location]) -> None:
+        self.file, self.region, self.indexes, self.locs = file, region, indexes, locs
+        self.end = locs[-1].offset + locs[-1].size
+
+    def add(self, index: int, loc: Location) -> None:
+        self.indexes.append(index)
+        self.locs.append(loc)
+        self.end = loc.offset + loc.size
+
+
 _REFUSED = {Refusal.QUOTA: WriteResult.QUOTA, Refusal.NO_SPACE: WriteResult.NO_SPACE,
             Refusal.TOO_LARGE: WriteResult.TOO_LARGE}
 
@@ -630,75 +647,119 @@ class DiskStore:
 
     def read(self, tenant: str, key: str, into: memoryview, deadline: float) -> ReadResult:
         """Read ``key``'s value into ``into`` (exactly its size) by ``deadline`` (on the
-        store's clock): no transfer starts after it. ``HIT`` only when the header matches
-        the index and the checksum of header and value holds."""
+        store's clock): no transfer starts after it. ``HIT`` only when the checksum the
+        index keeps (tenant, key, seq, length and value) holds for the bytes read."""
+        return self.read_batch(tenant, [(key, into)], deadline)[0]
+
+    def read_batch(self, tenant: str, targets: Sequence[tuple[str, memoryview]],
+                   deadline: float) -> list[ReadResult]:
+        """:meth:`read` of each ``(key, into)``, by ``deadline``. Records that lie back to
+        back in one region file (a save's blocks: one write buffer) are read with one
+        transfer, a ``preadv`` of their buffers (O_DIRECT when they and the offset
+        allow), and each is then checked against its own checksum: a damaged one is
+        dropped alone. Why: every I/O costs this VM's kernel ~50 us of CPU beside the
+        copy (``benchmarks/disk_store.py``), which a run of 256 KiB blocks now pays
+        once instead of once a block."""
+        n = len(targets)
         if not self._opened:
-            return ReadResult.OFF
+            return [ReadResult.OFF] * n
+        counts: collections.Counter[str] = collections.Counter()
         if self._state is DiskState.RECOVERING:
             if not self._recovered.wait(max(0.0, deadline - self._clock())):
-                return self._count_read(ReadResult.TIMEOUT)
+                with self._lock:
+                    self._c["read_timeout"] += n
+                return [ReadResult.TIMEOUT] * n
         if self._state is not DiskState.OK or not self._alive():
-            return ReadResult.OFF
+            return [ReadResult.OFF] * n
         t0 = self._clock()
+        results: list[ReadResult] = [ReadResult.MISS] * n
+        runs: list[_Run] = []
+        lost: list[Optional[Evicted]] = []
         with self._lock:
-            loc = self._index.lookup(tenant, key)
-            if loc is None:
-                self._c["misses"] += 1
-                return ReadResult.MISS
-            if into.nbytes != loc.size:
-                raise ValueError(f"read into {into.nbytes} bytes, {key!r} has {loc.size}")
-            try:
-                f: Optional[RegionFile] = self._file(loc.region, tenant, create=False)
-            except FileNotFoundError:
-                lost: Optional[Evicted] = self._index.drop_region(loc.region)
-                self._forget_files((lost,))
-                self._c["records_dropped_damaged"] += 1
-                f = None
-            except OSError:
-                return self._count_read(ReadResult.IO_ERROR, locked=True)
-            else:
+            locs = [self._index.lookup(tenant, key) for key, _ in targets]
+            for (key, into), loc in zip(targets, locs):
+                if loc is not None and into.nbytes != loc.size:
+                    raise ValueError(f"read into {into.nbytes} bytes, {key!r} has {loc.size}")
+            run: Optional[_Run] = None
+            for i, loc in enumerate(locs):
+                if loc is None:
+                    counts["misses"] += 1
+                    run = None
+                    continue
+                if run is not None and run.region == loc.region and run.end == loc.offset:
+                    run.add(i, loc)
+                    continue
+                run = None
+                try:
+                    f = self._file(loc.region, tenant, create=False)
+                except FileNotFoundError:
+                    gone = self._index.drop_region(loc.region)
+                    self._forget_files((gone,))
+                    lost.append(gone)
+                    counts["records_dropped_damaged"] += 1
+                    counts["read_damaged"] += 1
+                    results[i] = ReadResult.DAMAGED
+                    continue
+                except OSError:
+                    counts["read_io_error"] += 1
+                    results[i] = ReadResult.IO_ERROR
+                    continue
                 self._index.touch(loc.region)
-        if f is None:
-            self._removed((lost,))
-            return self._count_read(ReadResult.DAMAGED)
-        result = self._read_record(f, tenant, key, loc, into, deadline)
-        if result is ReadResult.HIT:
-            self._read_lat.add(self._clock() - t0)
-        return self._count_read(result)
+                run = _Run(f, loc.region, [i], [loc])
+                runs.append(run)
+            self._c.update(counts)
+        if lost:
+            self._removed(lost)
+        for run in runs:
+            self._read_run(tenant, run, targets, results, deadline, t0)
+        return results
 
-    def _read_record(self, f: RegionFile, tenant: str, key: str, loc: Location,
-                     into: memoryview, deadline: float) -> ReadResult:
-        """The value alone (one transfer, O_DIRECT when ``into`` and the offset allow),
-        then its checksum against the index's: the record's identity (tenant, key, seq,
-        length) is in the checksum, so a stale or torn record fails it."""
+    def _read_run(self, tenant: str, run: _Run, targets: Sequence[tuple[str, memoryview]],
+                  results: list[ReadResult], deadline: float, t0: float) -> None:
+        """One run's values in one transfer, then each checksum against the index's: the
+        record's identity (tenant, key, seq, length) is in it, so a stale or torn record
+        fails it, and a short read (the file ends early) fails the records it cut."""
+        views = [targets[i][1] for i in run.indexes]
+        outcome = ReadResult.TIMEOUT  # when nothing comes back
         try:
-            got = f.read([into], loc.offset, deadline, self._clock)
+            got = run.file.read(views, run.locs[0].offset, deadline, self._clock)
         except EOFError:
-            got = False
-            damaged = True
+            got = False  # (the checksums tell which records it cut)
         except OSError as exc:
             log.debug("disk store %s: read failed: %s", self._root, exc)
-            return ReadResult.IO_ERROR
-        else:
-            damaged = False
+            got, outcome = None, ReadResult.IO_ERROR
         finally:
-            self._release(f)
-        if got is None:
-            return ReadResult.TIMEOUT
-        if not damaged:
-            damaged = record_checksum(tenant, key, loc.seq, into) != loc.checksum
-        if damaged:
+            self._release(run.file)
+        counts: collections.Counter[str] = collections.Counter()
+        if got is None:  # the deadline passed (or an error): nothing of the run is read
+            for i in run.indexes:
+                results[i] = outcome
+            counts["read_" + outcome.value] += len(run.indexes)
             with self._lock:
-                dropped = self._index.remove(tenant, key, seq=loc.seq) is not None
-                if dropped:
-                    self._c["records_dropped_damaged"] += 1
-            if dropped and self._on_removed is not None:
-                self._on_removed(tenant, [key])
-            return ReadResult.DAMAGED
+                self._c.update(counts)
+            return
+        good = [record_checksum(tenant, targets[i][0], loc.seq, view) == loc.checksum
+                for i, loc, view in zip(run.indexes, run.locs, views)]  # (not locked)
+        damaged: list[str] = []
         with self._lock:
-            self._c["bytes_read"] += loc.size
-            self._c["direct_reads" if got else "buffered_reads"] += 1
-        return ReadResult.HIT
+            for i, loc, ok in zip(run.indexes, run.locs, good):
+                key = targets[i][0]
+                if ok:
+                    results[i] = ReadResult.HIT
+                    counts["hits"] += 1
+                    counts["bytes_read"] += loc.size
+                    counts["direct_reads" if got else "buffered_reads"] += 1
+                    continue
+                results[i] = ReadResult.DAMAGED
+                counts["read_damaged"] += 1
+                if self._index.remove(tenant, key, seq=loc.seq) is not None:
+                    counts["records_dropped_damaged"] += 1
+                    damaged.append(key)
+            self._c.update(counts)
+        if counts["hits"]:
+            self._read_lat.add(self._clock() - t0)
+        if damaged and self._on_removed is not None:
+            self._on_removed(tenant, damaged)
 
     def _count_read(self, result: ReadResult, locked: bool = False) -> ReadResult:
         name = {ReadResult.HIT: "hits", ReadResult.MISS: "misses"}.get(result,

@@ -171,8 +171,15 @@ class DiskEngine(Engine):
         return run
 
     def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
-        result = self.store.read(tenant.name, target.key, target.memory, deadline)
-        return _READ.get(result, ReadOutcome.MISS)
+        return self.read_batch(tenant, [target], deadline)[0]
+
+    def read_batch(self, tenant: Tenant, targets: Sequence[Target], deadline: float
+                   ) -> list[ReadOutcome]:
+        """A reader's share of a fetch: records written back to back (a save's blocks)
+        come in one transfer (``DiskStore.read_batch``)."""
+        results = self.store.read_batch(tenant.name, [(t.key, t.memory) for t in targets],
+                                        deadline)
+        return [_READ.get(r, ReadOutcome.MISS) for r in results]
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
         return self.write_batch(tenant, [source], deadline)[0]
