@@ -152,7 +152,7 @@ def measure(root: Path, name: str, size: int, total: int, shm: int,
     try:
         assert tier.client is not None and tier.daemon is not None
         for i in range(0, count, per_save):
-            while tier.disk()["queued_write_bytes"] > shm // 4:
+            while tier.disk().queued_write_bytes > shm // 4:
                 time.sleep(0.002)
             batch = keys[i:i + per_save]
             tier.client.save(batch, src[:len(batch)])
@@ -182,9 +182,9 @@ def measure(root: Path, name: str, size: int, total: int, shm: int,
         "objects": len(evicted), "shm_bytes": shm, "io_threads": IO_THREADS,
         "limit_read_gbps": limit_read, "evicted": before, "restart": after, "store": store,
         "copy_s": copy,
-        "daemon_direct_reads": d2["direct_reads"], "daemon_buffered_reads":
-        d2["buffered_reads"], "read_latency_p50_ms": (d1["read_latency_p50_s"] or 0) * 1e3,
-        "disk_hits_evicted": d1["tier"]["hits"] - d0["tier"]["hits"]}
+        "daemon_direct_reads": d2.direct_reads, "daemon_buffered_reads":
+        d2.buffered_reads, "read_latency_p50_ms": (d1.read_latency_p50_s or 0) * 1e3,
+        "disk_hits_evicted": d1.tier.hits - d0.tier.hits}
     for phase in ("evicted", "restart"):
         p = before if phase == "evicted" else after
         fetch = p["disk_load_s"] - p["shm_load_s"]
