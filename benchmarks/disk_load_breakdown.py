@@ -220,11 +220,13 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     path = os.path.join(args.out, "disk_load_breakdown.json")
+    # (the run's commit before the file is opened: an open JSON is a dirty tree)
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "argv": ["DIR" if a.startswith("/") else a for a in argv],
+           "ems": commit(), "mib": args.mib, "shm_mib": args.shm_mib, "rows": rows,
+           "loadavg": {"start": load0, "end": os.getloadavg()[0]}}
     with open(path, "w") as f:
-        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                   "argv": ["DIR" if a.startswith("/") else a for a in argv],
-                   "ems": commit(), "mib": args.mib, "shm_mib": args.shm_mib, "rows": rows,
-                   "loadavg": {"start": load0, "end": os.getloadavg()[0]}}, f, indent=1)
+        json.dump(out, f, indent=1)
     print(f"per batch (mean); fetch = disk load - shm load; load average "
           f"{os.getloadavg()[0]:.2f}; wrote {path}")
     return 0
