@@ -76,6 +76,20 @@ def test_batch_round_trip_and_layout(tenant, vals, data):
     assert _valid(raw, tenant) == list(zip(keys, vals))
 
 
+@given(tenant=names, vals=values, before=st.binary(max_size=300), after=st.binary(max_size=64),
+       cut=st.integers(1, 64))
+def test_a_head_parses_in_place_inside_a_larger_buffer(tenant, vals, before, after, cut):
+    """A scan hands the parser its read buffer and an offset: the same head as the
+    batch's own bytes, and None (never a head) when the buffer ends inside it."""
+    keys = [f"k{i}" for i in range(len(vals))]
+    raw, want = _batch(tenant, keys, vals)
+    buf = memoryview(before + raw + after)
+    assert parse_batch_fixed(buf, len(before)) == (want.head_len, want.span)
+    assert parse_batch_head(buf, len(before)) == want
+    short = buf[:len(before) + max(0, want.head_len - cut)]
+    assert parse_batch_head(short, len(before)) is None
+
+
 @given(tenant=names, vals=values, data=st.data())
 def test_a_flipped_byte_is_caught(tenant, vals, data):
     keys = [f"k{i}" for i in range(len(vals))]

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ems.disk import (
     DiskSettings,
@@ -551,3 +553,37 @@ def test_a_batch_of_back_to_back_records_is_read_in_one_transfer(tmp_path):
             v.release()
         arena.close()
         store.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(asks=st.lists(st.lists(st.integers(0, 23), max_size=14), min_size=1, max_size=6))
+def test_a_batch_read_agrees_with_reads_one_by_one(asks):
+    """Whatever keys a batch asks (any order, repeats, keys never stored, runs across
+    the saves' batches and regions), each result and each byte is what a read of that
+    key alone gives."""
+    size = 16 * KiB
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+        store = DiskStore(DiskSettings(d, 256 * MiB, region_bytes=256 * KiB,
+                                       checkpoint_s=0))
+        store.open()
+        assert store.wait_recovered(30)
+        keys = [f"k{i}" for i in range(20)]  # k20..k23: never stored
+        for lo in range(0, 20, 5):  # four saves of five (a region holds ~15)
+            store.write_batch("t", [(k, memoryview(value_of(k, size)))
+                                    for k in keys[lo:lo + 5]])
+        arena = mmap.mmap(-1, 15 * size)
+        views = [memoryview(arena)[i * size:(i + 1) * size] for i in range(15)]
+        try:
+            for ask in asks:
+                names = [f"k{i}" for i in ask]
+                got = store.read_batch("t", list(zip(names, views)), time.monotonic() + 30)
+                for name, result, view in zip(names, got, views):
+                    alone, data = read_back(store, "t", name, size)
+                    assert result is alone
+                    if result is ReadResult.HIT:
+                        assert bytes(view) == data == value_of(name, size)
+        finally:
+            for v in views:
+                v.release()
+            arena.close()
+            store.close()
