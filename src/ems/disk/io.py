@@ -41,7 +41,8 @@ from typing import Callable, Optional, Protocol, Sequence
 from ems.disk.records import ALIGN
 
 __all__ = ["IOV_MAX", "LOCAL", "WRITE_CHUNK_BYTES", "DirEntry", "FileSystem",
-           "LocalFileSystem", "RegionFile", "address_of", "probe_direct"]
+           "LocalFileSystem", "RegionFile", "address_of", "probe_direct", "read_file",
+           "replace_file"]
 
 #: the most buffers one preadv/pwritev takes (Linux's UIO_MAXIOV)
 IOV_MAX = 1024
@@ -231,6 +232,33 @@ class LocalFileSystem:
 
 #: the host's file system, the store's default
 LOCAL: FileSystem = LocalFileSystem()
+
+
+def read_file(fs: FileSystem, path: str) -> bytes:
+    """The whole file at ``path`` (``FileNotFoundError`` when there is none)."""
+    fd = fs.open_file(path)
+    try:
+        return fs.read_bytes(fd, fs.file_size(fd), 0)
+    finally:
+        fs.close(fd)
+
+
+def replace_file(fs: FileSystem, path: str, data: bytes) -> None:
+    """``path`` holds ``data``, durably, name included: written to ``path.tmp`` and
+    fsynced, renamed over ``path``, its directory fsynced. A power cut at any instant
+    leaves the old file or the new one, never a mix. Raises OSError."""
+    tmp = path + ".tmp"
+    fd = fs.open_file(tmp, create=True, truncate=True)
+    try:
+        view = memoryview(data)
+        at = 0
+        while at < len(data):
+            at += fs.write_at(fd, [view[at:]], at)
+        fs.sync_file(fd)
+    finally:
+        fs.close(fd)
+    fs.rename(tmp, path)
+    fs.sync_dir(os.path.dirname(path) or ".")
 
 
 def address_of(view: memoryview) -> Optional[int]:

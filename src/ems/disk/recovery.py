@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ems.disk.index import DiskIndex
-from ems.disk.io import LOCAL, FileSystem
+from ems.disk.io import LOCAL, FileSystem, read_file
 from ems.disk.records import (
     ALIGN,
     BATCH_FIXED_BYTES,
@@ -121,13 +121,9 @@ def _region_files(fs: FileSystem, root: str) -> dict[int, _File]:
 
 def _load_checkpoint(fs: FileSystem, root: str) -> Optional[Checkpoint]:
     try:
-        fd = fs.open_file(os.path.join(root, CHECKPOINT))
+        data = read_file(fs, os.path.join(root, CHECKPOINT))
     except FileNotFoundError:
         return None
-    try:
-        data = fs.read_bytes(fd, fs.file_size(fd), 0)
-    finally:
-        fs.close(fd)
     ck = decode_checkpoint(data)
     if ck is None:
         log.warning("disk store %s: the checkpoint is damaged; scanning every region", root)

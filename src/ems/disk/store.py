@@ -59,7 +59,7 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
-from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct
+from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct, replace_file
 from ems.disk.records import (
     ALIGN,
     MAX_NAME_BYTES,
@@ -872,9 +872,7 @@ class DiskStore:
             data = encode_checkpoint(Checkpoint(next_seq, next_region, regions, tenants))
             path = os.path.join(self._root, CHECKPOINT)
             try:
-                self._write_file(path + ".tmp", data)
-                self._fs.rename(path + ".tmp", path)
-                self._fs.sync_dir(self._root)
+                replace_file(self._fs, path, data)
             except OSError as exc:
                 self._turn_off(f"checkpoint failed: {exc}")
                 return False
@@ -899,18 +897,6 @@ class DiskStore:
             except OSError as exc:
                 return files, exc
         return files, None
-
-    def _write_file(self, path: str, data: bytes) -> None:
-        """``path`` holds ``data``, durably (its name is not: the caller renames it)."""
-        fd = self._fs.open_file(path, create=True, truncate=True)
-        try:
-            view = memoryview(data)
-            at = 0
-            while at < len(data):
-                at += self._fs.write_at(fd, [view[at:]], at)
-            self._fs.sync_file(fd)
-        finally:
-            self._fs.close(fd)
 
     # --- statistics ------------------------------------------------------------------
 

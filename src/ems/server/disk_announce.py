@@ -40,6 +40,7 @@ from typing import Mapping, Optional, Sequence
 import xxhash
 
 from ems.disk import DiskState, DiskStore
+from ems.disk.io import LOCAL, FileSystem, read_file, replace_file
 from ems.server.tiers import TierEvents
 
 __all__ = ["FILE", "HashKeeper", "decode", "encode", "key_digest", "load", "save"]
@@ -100,46 +101,27 @@ def decode(data: bytes) -> Optional[dict[str, dict[int, int]]]:
     return out if at == len(data) - 8 else None
 
 
-def save(root: str, rows: Mapping[str, Sequence[tuple[str, int]]]) -> None:
-    """Replace ``root``'s side file by ``rows``, atomically and durably; raises
-    OSError."""
-    path = os.path.join(root, FILE)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, encode(rows))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+def save(root: str, rows: Mapping[str, Sequence[tuple[str, int]]],
+         fs: FileSystem = LOCAL) -> None:
+    """Replace ``root``'s side file by ``rows``, atomically and durably
+    (``ems.disk.io.replace_file``, as the checkpoint); raises OSError."""
+    replace_file(fs, os.path.join(root, FILE), encode(rows))
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def load(root: str) -> dict[str, dict[int, int]]:
+def load(root: str, fs: FileSystem = LOCAL) -> dict[str, dict[int, int]]:
     """The side file of ``root`` (empty when there is none or it is damaged)."""
+    path = os.path.join(root, FILE)
     try:
-        with open(os.path.join(root, FILE), "rb") as f:
-            data = f.read()
+        data = read_file(fs, path)
     except FileNotFoundError:
         return {}
     except OSError as exc:
         logger.warning("ems disk: cannot read %s (%s): recovered records not announced",
-                       os.path.join(root, FILE), exc)
+                       path, exc)
         return {}
     got = decode(data)
     if got is None:
-        logger.warning("ems disk: %s is damaged: recovered records not announced",
-                       os.path.join(root, FILE))
+        logger.warning("ems disk: %s is damaged: recovered records not announced", path)
         return {}
     return got
 
