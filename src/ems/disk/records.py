@@ -53,7 +53,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import xxhash
 
 __all__ = [
-    "ALIGN", "BATCH_FIXED_BYTES", "ENTRY_FIXED_BYTES", "IDENT", "MAX_NAME_BYTES", "VERSION",
+    "ALIGN", "BATCH_FIXED_BYTES", "ENTRY_FIXED_BYTES", "MAX_NAME_BYTES", "VERSION",
     "BatchHead", "BatchLayout", "Checkpoint", "CheckpointRegion", "CheckpointTenant",
     "Entry", "decode_checkpoint", "encode_batch_head", "encode_checkpoint", "layout",
     "parse_batch_fixed", "parse_batch_head", "record_checksum", "record_span",
@@ -71,8 +71,7 @@ MAGIC = b"EMSB"
 VERSION = 2
 _BATCH = struct.Struct("<4sHHIIIQH")  # magic ver flags hcrc count head_len span tl
 _ENTRY = struct.Struct("<IQQQH")  # offset-in-batch seq vlen xxh3 kl
-#: what :func:`record_checksum` binds before the value: seq vlen tl kl (then tenant, key)
-IDENT = struct.Struct("<QQHH")
+_IDENT = struct.Struct("<QQHH")  # what record_checksum binds: seq vlen tl kl
 BATCH_FIXED_BYTES = _BATCH.size
 ENTRY_FIXED_BYTES = _ENTRY.size
 #: The longest tenant + key (UTF-8 bytes): a batch of one record has a one-block head.
@@ -156,7 +155,7 @@ def record_checksum(tenant: str, key: str, seq: int, value: Buffer) -> int:
     ``key``) followed by ``value``: what a read checks the bytes it got against."""
     t = tenant.encode()
     k = key.encode()
-    h = xxhash.xxh3_64(IDENT.pack(seq, memoryview(value).nbytes, len(t), len(k)) + t + k)
+    h = xxhash.xxh3_64(_IDENT.pack(seq, memoryview(value).nbytes, len(t), len(k)) + t + k)
     h.update(value)
     return int(h.intdigest())
 
@@ -197,13 +196,11 @@ def parse_batch_head(block: Buffer, at: int = 0) -> Optional[BatchHead]:
     ``head_len`` bytes), or None when it is not a valid one (magic, version, CRC,
     lengths, offsets, UTF-8). Parsed in place: a scan hands it its read buffer (no
     copy of the head; the CRC is taken over the parts around ``hcrc``)."""
-    if len(block) - at < _BATCH.size:
+    fixed = parse_batch_fixed(block, at)
+    if fixed is None or len(block) - at < fixed[0]:
         return None
-    magic, ver, _f, hcrc, count, head_len, span, tl = _BATCH.unpack_from(block, at)
-    if (magic != MAGIC or ver != VERSION or span % ALIGN or span < head_len
-            or head_len < _BATCH.size + tl + count * _ENTRY.size
-            or len(block) - at < head_len):
-        return None
+    head_len, span = fixed
+    _m, _v, _f, hcrc, count, _hl, _s, tl = _BATCH.unpack_from(block, at)
     view = memoryview(block)
     crc = zlib.crc32(view[at:at + _HCRC_AT])
     crc = zlib.crc32(_ZERO_CRC, crc)

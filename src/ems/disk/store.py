@@ -761,16 +761,6 @@ class DiskStore:
         if damaged and self._on_removed is not None:
             self._on_removed(tenant, damaged)
 
-    def _count_read(self, result: ReadResult, locked: bool = False) -> ReadResult:
-        name = {ReadResult.HIT: "hits", ReadResult.MISS: "misses"}.get(result,
-                                                                        "read_" + result.value)
-        if locked:
-            self._c[name] += 1
-        else:
-            with self._lock:
-                self._c[name] += 1
-        return result
-
     # --- region files ----------------------------------------------------------------
 
     def _file(self, region: int, tenant: str, *, create: bool) -> RegionFile:
