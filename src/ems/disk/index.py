@@ -389,6 +389,10 @@ class DiskIndex:
         for r in self._regions.values():
             yield r.tenant, r.id, min(r.pending) if r.pending else r.end
 
+    def keys(self, tenant: str) -> list[str]:
+        """The tenant's keys (a list, not a copy of the entries)."""
+        return list(self._entries.get(tenant, ()))
+
     def entries(self, tenant: str) -> dict[str, int]:
         """A copy of the tenant's packed entries (``Location.unpack`` reads one)."""
         return dict(self._entries.get(tenant, {}))

@@ -424,7 +424,7 @@ class DiskStore:
     def keys(self) -> dict[str, list[str]]:
         """tenant -> the keys the index holds (a snapshot)."""
         with self._lock:
-            return {t: list(self._index.entries(t)) for t in self._index.tenants()}
+            return {t: self._index.keys(t) for t in self._index.tenants()}
 
     def size_of(self, tenant: str, key: str) -> Optional[int]:
         if self._state is not DiskState.OK:
