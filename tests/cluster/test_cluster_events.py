@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 from support.control_support import free_port
-from support.kv_events_support import Subscriber
+from support.kv_events_support import Subscriber, v1_client
 
-from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig
+from ems import CcKvOption
 from ems.cluster import launcher
 from ems.testing import run_server
 
@@ -48,11 +48,7 @@ def test_the_cluster_tier_publishes_what_this_host_wrote_and_found_gone(
                 "--host-name", "host-c"]) as server:
             for name, value in server.client_env().items():
                 monkeypatch.setenv(name, value)
-            Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0,
-                                                        model_id="ce")))
-            try:
-                cc = Ems.get_cc()
-                cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+            with v1_client("ce") as cc:  # 16 KiB a block
                 opt = CcKvOption(timeout=5000)
                 sub.join(cc, opt, BS)
                 behind = list(range(1000, 1010))  # stored here, then written behind
@@ -84,7 +80,5 @@ def test_the_cluster_tier_publishes_what_this_host_wrote_and_found_gone(
                 # the write-behind keys are still in shared memory: not asked, not removed
                 assert not set(behind) & of("BlockRemoved", "ems-cluster")
                 assert server.stats()["kv_events"]["untracked_removals"] == before
-            finally:
-                Ems.finalize()
     finally:
         sub.close()

@@ -8,8 +8,9 @@ import time
 
 import pytest
 from support.itest_support import wait_for
+from support.kv_events_support import v1_client
 
-from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
+from ems import CcKvOption, EmsErrorCode, EmsException
 from ems.client import remote
 
 torch = pytest.importorskip("torch")
@@ -20,11 +21,8 @@ BS = 4
 @pytest.fixture
 def v1cc(server, client_env):
     client_env(server)
-    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
-    cc = Ems.get_cc()
-    cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
-    yield cc
-    Ems.finalize()
+    with v1_client("ev") as cc:  # 16 KiB a block
+        yield cc
 
 
 def _chunks(blocks):
@@ -74,10 +72,7 @@ def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env, s
     server = make_server(capacity="2M", extra_args=[
         "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-e"])
     client_env(server)
-    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ev")))
-    try:
-        cc = Ems.get_cc()
-        cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+    with v1_client("ev") as cc:  # 16 KiB a block
         opt = CcKvOption(timeout=5000)
         sub.join(cc, opt)
         first = list(range(1000, 1040))  # 40 x 16 KiB
@@ -88,8 +83,6 @@ def test_a_daemon_publishes_what_it_stores_and_evicts(make_server, client_env, s
             hs = list(range(100 + 40 * j, 140 + 40 * j))
             assert cc.save(hashes=hs, chunk_descs=_chunks(range(40)), option=opt,
                            event_hashes=[h + 5000 for h in hs]).success == 40
-    finally:
-        Ems.finalize()
     stored: list[int] = []
     removed: list[int] = []
     seqs: list[int] = []
@@ -140,10 +133,7 @@ def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_en
         "--disk", str(tmp_path / "disk"), "--disk-capacity", "128M",
         "--kv-events", f"tcp://127.0.0.1:{port}", "--host-name", "host-d"])
     client_env(server)
-    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="ed")))
-    try:
-        cc = Ems.get_cc()
-        cc.register_kvcache([[torch.randn(64, BS, 2, 32768)]])  # 1 MiB a block
+    with v1_client("ed", row=32768) as cc:  # 1 MiB a block
         opt = CcKvOption(timeout=5000)
         sub.join(cc, opt)
         first = list(range(1000, 1032))  # 32 x 1 MiB
@@ -159,8 +149,6 @@ def test_the_disk_tier_publishes_its_stores_and_evictions(make_server, client_en
             assert cc.save(hashes=hs, chunk_descs=_chunks(range(32)), option=opt,
                            event_hashes=[h + 5000 for h in hs]).success == 32
         sub.drain(lambda: set(first) <= of("BlockRemoved", "ems-disk"), seen, 60.0)
-    finally:
-        Ems.finalize()
     disk = server.stats()["disk"]
     assert set(first) <= of("BlockRemoved", "ems-disk"), (disk, server.stats()["kv_events"])
     assert not of("BlockRemoved", "ems-shm")  # shared memory still holds them
@@ -215,10 +203,7 @@ def test_a_restart_announces_what_the_disk_recovered(make_server, client_env, tm
                 and e["ownership"] == "ems-disk" for h in e["block_hashes"]}
     server, replay = start()
     client_env(server)
-    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="er")))
-    try:
-        cc = Ems.get_cc()
-        cc.register_kvcache([[torch.randn(64, BS, 2, 512)]])  # 16 KiB a block
+    with v1_client("er") as cc:  # 16 KiB a block
         opt = CcKvOption(timeout=5000)
         hashes = list(range(7000, 7020))
         assert cc.save(hashes=list(range(20)), chunk_descs=_chunks(range(20)), option=opt,
@@ -226,8 +211,6 @@ def test_a_restart_announces_what_the_disk_recovered(make_server, client_env, tm
         cc.save(hashes=[50, 51], chunk_descs=_chunks([0, 1]), option=opt)  # no hashes
         wait_for(lambda: set(hashes) <= stored_on_disk(_replayed(zmq, replay)), 20.0,
                  "the records on disk")
-    finally:
-        Ems.finalize()
     server.stop()  # SIGTERM: the side file written last
     server, replay = start()
     events = wait_for(lambda: (got := _replayed(zmq, replay)) and

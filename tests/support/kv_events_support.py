@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import pytest
+
+from ems import CcConfig_v1, Ems, EmsConfig
+
+
+@contextlib.contextmanager
+def v1_client(model_id: str, row: int = 512, block_tokens: int = 4) -> Iterator:
+    """A V1 ContextCaching of this process on the daemon its environment names, with one
+    layer of KV cache ``64 x block_tokens x 2 x row`` (row 512: 16 KiB a block);
+    finalized after."""
+    import torch
+    Ems.init(EmsConfig(cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id=model_id)))
+    try:
+        cc = Ems.get_cc()
+        cc.register_kvcache([[torch.randn(64, block_tokens, 2, row)]])
+        yield cc
+    finally:
+        Ems.finalize()
 
 
 class Subscriber:
