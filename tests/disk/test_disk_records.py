@@ -19,6 +19,7 @@ from ems.disk.records import (
     CheckpointRegion,
     CheckpointTenant,
     Entry,
+    checksum,
     decode_checkpoint,
     encode_batch_head,
     encode_checkpoint,
@@ -38,11 +39,13 @@ values = st.lists(st.one_of(st.binary(max_size=3000),
 def _batch(tenant: str, keys: list[str], vals: list[bytes], seq: int = 1
            ) -> tuple[bytes, BatchHead]:
     """A batch's bytes as the store writes them, and the head it must parse to."""
-    shape = layout(tenant, [(k, len(v)) for k, v in zip(keys, vals)])
+    tb, kbs = tenant.encode(), [k.encode() for k in keys]
+    shape = layout(tb, kbs, [len(v) for v in vals])
     entries = tuple(Entry(k, seq + i, len(v), record_checksum(tenant, k, seq + i, v), off)
                     for i, (k, v, off) in enumerate(zip(keys, vals, shape.offsets)))
     raw = bytearray(shape.span)
-    head = encode_batch_head(tenant, entries, shape.span)
+    head = encode_batch_head(tb, kbs, [e.seq for e in entries], [e.value_len for e in entries],
+                             [e.xxh3 for e in entries], shape.offsets, shape.span)
     assert len(head) == shape.head_len
     raw[:len(head)] = head
     for v, off in zip(vals, shape.offsets):
@@ -112,6 +115,7 @@ def test_a_flipped_byte_is_caught(tenant, vals, data):
 @given(tenant=names, key=names, seq=st.integers(0, 2**48 - 1), value=st.binary(max_size=600))
 def test_the_checksum_binds_the_identity(tenant, key, seq, value):
     x = record_checksum(tenant, key, seq, value)
+    assert checksum(tenant.encode(), key.encode(), seq, value) == x  # the one algorithm
     assert record_checksum(tenant, key, seq + 1, value) != x
     assert record_checksum(tenant, key + "x", seq, value) != x
     assert record_checksum(tenant + "x", key, seq, value) != x
@@ -120,7 +124,7 @@ def test_the_checksum_binds_the_identity(tenant, key, seq, value):
 
 def test_names_longer_than_a_head_block_are_refused():
     with pytest.raises(ValueError):
-        layout("t", [("k" * MAX_NAME_BYTES, 0)])
+        layout(b"t", [b"k" * MAX_NAME_BYTES], [0])
     raw, _ = _batch("t", ["k" * (MAX_NAME_BYTES - 1)], [b"v"])
     assert parse_batch_head(raw) is not None
     assert len(raw) <= record_span(1)  # the bound capacity planning uses
@@ -128,7 +132,7 @@ def test_names_longer_than_a_head_block_are_refused():
 
 def test_the_heads_of_a_full_write_buffer_of_16_kib_values_are_under_1_percent():
     keys = [f"{i:064x}" for i in range(256)]  # V1-like hashes
-    shape = layout("tenant", [(k, 16 << 10) for k in keys])
+    shape = layout(b"tenant", [k.encode() for k in keys], [16 << 10] * len(keys))
     values_bytes = 256 * (16 << 10)
     assert (shape.span - values_bytes) / shape.span < 0.01
 

@@ -162,8 +162,14 @@ class DiskIndex:
         return None if packed is None else Location.unpack(packed)
 
     def size_of(self, tenant: str, key: str) -> Optional[int]:
-        loc = self.lookup(tenant, key)
-        return None if loc is None else loc.size
+        packed = self._entries.get(tenant, {}).get(key)
+        return None if packed is None else (packed >> _SIZE_AT) & _SIZE_MASK
+
+    def sizes(self, tenant: str, keys: Sequence[str]) -> list[Optional[int]]:
+        """:meth:`size_of` of each of ``keys``."""
+        entries = self._entries.get(tenant, {})
+        return [None if p is None else (p >> _SIZE_AT) & _SIZE_MASK
+                for p in map(entries.get, keys)]
 
     def objects(self, tenant: Optional[str] = None) -> int:
         if tenant is not None:
@@ -257,19 +263,32 @@ class DiskIndex:
         """A record of the batch reserved by ``res`` is written: ``key`` now maps to its
         value at ``offset`` (default: the reservation's) with ``checksum``; ``last``:
         the batch's last record (the reservation is no longer pending)."""
+        self.commit_batch(res, [key], [size], [seq],
+                          [res.offset if offset is None else offset], [checksum], last=last)
+
+    def commit_batch(self, res: Reservation, keys: Sequence[str], sizes: Sequence[int],
+                     seqs: Sequence[int], offsets: Sequence[int], checksums: Sequence[int],
+                     *, last: bool = True) -> None:
+        """:meth:`commit` of records of the batch reserved by ``res`` at once (parallel
+        columns; ``offsets`` in the region file): one call per batch, its entries packed
+        in one loop, where a call per record cost a batch of 256 about 0.3 ms."""
         r = self._regions.get(res.region)
         if r is None:  # cannot happen: a region with a write in flight is never evicted
             raise AssertionError(f"region {res.region} vanished under a write")
         if last:
             r.pending.discard(res.offset)
         entries = self._entries.setdefault(res.tenant, {})
-        old = entries.get(key)
-        if old is not None:
-            self._value_bytes[res.tenant] -= Location.unpack(old).size
-        entries[key] = _pack(res.region, res.offset if offset is None else offset, size, seq,
-                             checksum)
-        self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + size
-        r.keys.append(key)
+        region = res.region << _REGION_AT
+        delta = 0
+        for key, size, seq, offset, checksum in zip(keys, sizes, seqs, offsets, checksums):
+            old = entries.get(key)
+            if old is not None:
+                delta -= (old >> _SIZE_AT) & _SIZE_MASK
+            entries[key] = (region | (offset << _OFFSET_AT) | (size << _SIZE_AT)
+                            | (seq << _SEQ_AT) | checksum)
+            delta += size
+        self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + delta
+        r.keys.extend(keys)
 
     def abort(self, res: Reservation) -> None:
         """The write reserved by ``res`` failed: its bytes stay used until the region

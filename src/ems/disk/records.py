@@ -55,8 +55,8 @@ import xxhash
 __all__ = [
     "ALIGN", "BATCH_FIXED_BYTES", "ENTRY_FIXED_BYTES", "MAX_NAME_BYTES", "VERSION",
     "BatchHead", "BatchLayout", "Checkpoint", "CheckpointRegion", "CheckpointTenant",
-    "Entry", "decode_checkpoint", "encode_batch_head", "encode_checkpoint", "layout",
-    "parse_batch_fixed", "parse_batch_head", "record_checksum", "record_span",
+    "Entry", "checksum", "decode_checkpoint", "encode_batch_head", "encode_checkpoint",
+    "layout", "parse_batch_fixed", "parse_batch_head", "record_checksum", "record_span",
     "round_up",
 ]
 
@@ -86,11 +86,6 @@ Buffer = Union[bytes, bytearray, memoryview]
 def round_up(n: int, unit: int = ALIGN) -> int:
     """``n`` rounded up to a multiple of ``unit``."""
     return -(-n // unit) * unit
-
-
-def _place(at: int, value_len: int) -> int:
-    """Where a value of ``value_len`` bytes goes at or after ``at``."""
-    return round_up(at, ALIGN if value_len % ALIGN == 0 else PACK)
 
 
 def record_span(value_len: int) -> int:
@@ -131,20 +126,22 @@ class BatchHead:
     entries: tuple[Entry, ...]
 
 
-def layout(tenant: str, records: Sequence[tuple[str, int]]) -> BatchLayout:
-    """The layout of a batch of ``tenant``'s ``records`` (key, value length); raises
-    ``ValueError`` when tenant + a key exceed :data:`MAX_NAME_BYTES`."""
-    tl = len(tenant.encode())
-    head = _BATCH.size + tl
-    for key, _ in records:
-        kl = len(key.encode())
-        if tl + kl > MAX_NAME_BYTES:
-            raise ValueError(f"tenant + key are {tl + kl} bytes, at most {MAX_NAME_BYTES}")
-        head += _ENTRY.size + kl
+def layout(tenant: bytes, keys: Sequence[bytes], value_lens: Sequence[int]) -> BatchLayout:
+    """The layout of a batch of ``tenant``'s records (UTF-8 ``keys`` and the lengths of
+    their values); raises ``ValueError`` when tenant + a key exceed
+    :data:`MAX_NAME_BYTES`."""
+    tl = len(tenant)
+    head = _BATCH.size + tl + _ENTRY.size * len(keys)
+    for kb in keys:
+        if tl + len(kb) > MAX_NAME_BYTES:
+            raise ValueError(f"tenant + key are {tl + len(kb)} bytes, at most "
+                             f"{MAX_NAME_BYTES}")
+        head += len(kb)
     at = head
     offsets = []
-    for _, n in records:
-        at = _place(at, n)
+    for n in value_lens:  # a value of whole blocks on a block, any other at 8 bytes
+        unit = PACK if n % ALIGN else ALIGN
+        at = -(-at // unit) * unit
         offsets.append(at)
         at += n
     return BatchLayout(head, tuple(offsets), round_up(at))
@@ -153,24 +150,32 @@ def layout(tenant: str, records: Sequence[tuple[str, int]]) -> BatchLayout:
 def record_checksum(tenant: str, key: str, seq: int, value: Buffer) -> int:
     """XXH3-64 of the record's identity (``seq``, the value's length, ``tenant``,
     ``key``) followed by ``value``: what a read checks the bytes it got against."""
-    t = tenant.encode()
-    k = key.encode()
-    h = xxhash.xxh3_64(_IDENT.pack(seq, memoryview(value).nbytes, len(t), len(k)) + t + k)
+    return checksum(tenant.encode(), key.encode(), seq, value)
+
+
+def checksum(tenant: bytes, key: bytes, seq: int, value: Buffer) -> int:
+    """:func:`record_checksum` of a UTF-8 ``tenant`` and ``key`` (a batch's writer and
+    a scan have them encoded already)."""
+    h = xxhash.xxh3_64(_IDENT.pack(seq, memoryview(value).nbytes, len(tenant), len(key))
+                       + tenant + key)
     h.update(value)
     return int(h.intdigest())
 
 
-def encode_batch_head(tenant: str, entries: Sequence[Entry], span: int) -> bytearray:
-    """The head of a batch of ``entries`` spanning ``span`` bytes (``head_len`` bytes
-    long; the caller pads it to its first value)."""
-    t = tenant.encode()
+def encode_batch_head(tenant: bytes, keys: Sequence[bytes], seqs: Sequence[int],
+                      value_lens: Sequence[int], checksums: Sequence[int],
+                      offsets: Sequence[int], span: int) -> bytearray:
+    """The head of a batch of records (parallel columns: UTF-8 keys, sequence numbers,
+    value lengths, checksums (:func:`record_checksum`), offsets from the batch's start)
+    spanning ``span`` bytes (``head_len`` bytes long; the caller pads it to its first
+    value)."""
     out = bytearray(_BATCH.size)
-    out += t
-    for e in entries:
-        k = e.key.encode()
-        out += _ENTRY.pack(e.offset, e.seq, e.value_len, e.xxh3, len(k))
-        out += k
-    _BATCH.pack_into(out, 0, MAGIC, VERSION, 0, 0, len(entries), len(out), span, len(t))
+    out += tenant
+    pack = _ENTRY.pack
+    for kb, seq, n, xxh, off in zip(keys, seqs, value_lens, checksums, offsets):
+        out += pack(off, seq, n, xxh, len(kb))
+        out += kb
+    _BATCH.pack_into(out, 0, MAGIC, VERSION, 0, 0, len(keys), len(out), span, len(tenant))
     struct.pack_into("<I", out, _HCRC_AT, zlib.crc32(out))
     return out
 
