@@ -386,5 +386,6 @@ def test_hold_pins_every_present_key_without_counting(pool):
     stats = pool.statistics()
     assert stats.pinned == 2 and stats.hits == 0 and stats.misses == 0
     assert not pool.delete("c")  # pinned: not deleted, not evicted
-    assert pool.release(list(held.values()), owner="r") == 2
+    assert held["a"].size == 64 and held["a"].offset != held["c"].offset
+    assert pool.release([pin.token for pin in held.values()], owner="r") == 2
     assert pool.delete("c")

@@ -506,26 +506,29 @@ class Pool:
             pins.append(Pin(token, obj.offset, obj.size))
         return pins
 
-    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> dict[Hashable, int]:
+    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> dict[Hashable, Pin]:
         """Pin every committed key of ``keys`` (not only a leading run; no hit or miss
-        counted); each such key's token, for :meth:`release`.
+        counted); each such key's pin (its token for :meth:`release`).
 
         A load whose misses a tier brings into shared memory holds the request's
         later blocks that are here already, so the tier's reservations cannot evict
-        them: a load right after an exists then finds what the exists counted.
+        them: a load right after an exists then finds what the exists counted. A
+        tier's write-out holds a save's objects while it writes them (those evicted
+        before their turn are not there to hold).
         """
-        tokens: dict[Hashable, int] = {}
+        pins: dict[Hashable, Pin] = {}
+        objects, policy, table, tokens = self._objects, self._policy, self._pins, self._tokens
         for key in keys:
-            obj = self._objects.get(key)
-            if obj is None or obj.state is not _State.COMMITTED or key in tokens:
+            obj = objects.get(key)
+            if obj is None or obj.state is not _COMMITTED or key in pins:
                 continue
             if obj.pins == 0:
-                self._policy.remove(key)
+                policy.remove(key)
             obj.pins += 1
-            token = next(self._tokens)
-            self._pins[token] = (obj, owner)
-            tokens[key] = token
-        return tokens
+            token = next(tokens)
+            table[token] = (obj, owner)
+            pins[key] = Pin(token, obj.offset, obj.size)
+        return pins
 
     def release(self, tokens: Sequence[int], owner: Hashable = None) -> int:
         """Unpin what :meth:`acquire` pinned; how many pins were released (tokens that

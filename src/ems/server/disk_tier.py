@@ -80,6 +80,7 @@ from ems.server import disk_announce
 from ems.server.config import ANONYMOUS, DiskConfig, ServerConfig
 from ems.server.tenants import Tenant
 from ems.server.tier_driver import (
+    HELD,
     WRITTEN,
     AdmitAll,
     DriverSettings,
@@ -195,7 +196,7 @@ class DiskEngine(Engine):
                 self.events.tier_stored(tenant.name, stored, MEDIUM)
                 if self.keeper is not None:
                     self.keeper.changed()
-        return [WRITTEN if r in (WriteResult.WRITTEN, WriteResult.EXISTS)
+        return [WRITTEN if r is WriteResult.WRITTEN else HELD if r is WriteResult.EXISTS
                 else Written(False, r.value, _WARN.get(r)) for r in results]
 
     def _removed(self, tenant: str, keys: Sequence[str]) -> None:

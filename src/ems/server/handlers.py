@@ -424,7 +424,8 @@ class _Load:
 
     def _answer(self) -> None:
         if self._held and self.session.serves(self.tenant):
-            self.tenant.pool.release(list(self._held.values()), self.session.id)
+            self.tenant.pool.release([pin.token for pin in self._held.values()],
+                                   self.session.id)
         self._held = {}
         self.handlers._answer_pins(self.session, self.rid, self.pins)
 

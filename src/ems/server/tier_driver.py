@@ -65,7 +65,17 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol, Sequence, TypeVar
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Iterable,
+    NamedTuple,
+    Optional,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 from ems.disk.stats import LatencyWindow
 from ems.pool.core import Pin
@@ -76,7 +86,7 @@ from ems.server.ratelimit import RateLimitedLog
 from ems.server.tenants import Tenant
 from ems.server.tiers import Extent, Loop, MetricFamily, Tier, TierCounters
 
-__all__ = ["Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
+__all__ = ["HELD", "Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
            "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
 
 _Row = TypeVar("_Row", bound=TierRow)
@@ -115,33 +125,45 @@ class Written:
 
 
 WRITTEN = Written(True)
+#: the engine held the key already (of that size): nothing written, nothing counted
+HELD = Written(True, "held")
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     """A key and the memory its value is read into or written from; ``hash``: the
-    engine's block hash of a save written through (KV events), where it sent one."""
+    engine's block hash of a save written through (KV events), where it sent one. (A
+    named tuple: a fetch and a write-out make one per value.)"""
 
     key: str
     memory: memoryview
     hash: Optional[int] = None
 
 
-class Admission(Protocol):
-    """Which new objects of shared memory are written out (on the loop)."""
+class Admission:
+    """Which new objects of shared memory are written out (on the loop): a small policy
+    (CacheLib Navy's admission policies). :meth:`admit_all` is built on :meth:`admit`;
+    a policy may override it with the same answers, faster."""
 
     def admit(self, tenant: Tenant, key: str) -> bool:
         """Whether ``key``, just stored in ``tenant``'s pool, is written out."""
+        raise NotImplementedError
+
+    def admit_all(self, tenant: Tenant, keys: Sequence[str]) -> list[bool]:
+        """:meth:`admit` of each of a save's ``keys``, in order."""
+        return [self.admit(tenant, key) for key in keys]
 
 
-class AdmitAll:
+class AdmitAll(Admission):
     """Every object."""
 
     def admit(self, tenant: Tenant, key: str) -> bool:
         return True
 
+    def admit_all(self, tenant: Tenant, keys: Sequence[str]) -> list[bool]:
+        return [True] * len(keys)
 
-class SecondHit:
+
+class SecondHit(Admission):
     """Only a key saved again after it left shared memory (one worth keeping): the
     first save of a key is remembered, in a bounded LRU of ``remember`` keys."""
 
@@ -216,7 +238,8 @@ class Engine:
         return [self.read(tenant, t, deadline) for t in targets]
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
-        """Store ``source.memory`` as ``source.key``'s value."""
+        """Store ``source.memory`` as ``source.key``'s value; :data:`HELD` (nothing
+        written) where the engine holds the key with a value of that size already."""
         return Written(False, "unsupported")
 
     def write_batch(self, tenant: Tenant, sources: Sequence[Target],
@@ -584,19 +607,20 @@ class TierDriver(Tier):
         if skipped:  # a key saved again after it left shared memory, to be written now
             for key in keys:
                 skipped.pop((tenant.name, key), None)
-        admission = self.engine.admission
-        admitted: list[tuple[str, int]] = []
-        for key, size in zip(keys, sizes):
-            if admission.admit(tenant, key):
-                admitted.append((key, size))
-            else:
-                self._counters.add(tenant, not_admitted=1)
-        if not admitted:
-            return
-        groups = [admitted] if self.engine.batch_writes else [[a] for a in admitted]
-        for group in groups:
-            self._offer(_Pending(tenant, tuple(k for k, _ in group), tuple(s for _, s in group),
-                                 sum(s for _, s in group)))
+        admit = self.engine.admission.admit_all(tenant, keys)
+        if all(admit):
+            keys, sizes = tuple(keys), tuple(sizes)
+        else:
+            self._counters.add(tenant, not_admitted=admit.count(False))
+            keys = tuple(key for key, ok in zip(keys, admit) if ok)
+            sizes = tuple(size for size, ok in zip(sizes, admit) if ok)
+            if not keys:
+                return
+        if self.engine.batch_writes:
+            self._offer(_Pending(tenant, keys, sizes, sum(sizes)))
+        else:
+            for key, size in zip(keys, sizes):
+                self._offer(_Pending(tenant, (key,), (size,), size))
 
     def _offer(self, p: _Pending) -> None:
         if not self._queue and self._fits(p):
@@ -640,23 +664,20 @@ class TierDriver(Tier):
             self._start(p)
 
     def _start(self, p: _Pending) -> None:
-        """Pin what is still to be written (not held by the engine, still in shared
-        memory) and hand it to a writer."""
-        tenant, engine = p.tenant, self.engine
-        keys: list[str] = []
-        pins: list[Pin] = []
-        for key, size in zip(p.keys, p.sizes):
-            if engine.lookup(tenant, [key], [size]):
-                continue  # held already
-            got = tenant.pool.acquire([key], [size], self._write_owner, count=False)
-            if not got:  # evicted (or deleted) before its turn
-                self._counters.add(tenant, evicted_before_write=1)
-                continue
-            keys.append(key)
-            pins.append(got[0])
-        if not pins:
+        """Pin what is still in shared memory of ``p`` and hand it to the writers. Whether
+        the engine holds a key already is its own check, made once, when it writes
+        (under its own lock: ``HELD``), not here as well."""
+        tenant = p.tenant
+        held_pins = tenant.pool.hold(p.keys, self._write_owner)
+        if len(held_pins) < len(p.keys):  # evicted (or deleted) before its turn
+            self._counters.add(tenant, evicted_before_write=sum(
+                1 for key in set(p.keys) if key not in held_pins))
+        if not held_pins:
             return
+        keys = cast(list[str], list(held_pins))  # (the driver's pool keys are str)
+        pins = list(held_pins.values())
         held = sum(pin.size for pin in pins)
+        engine = self.engine
         self._inflight_bytes += held
         self._inflight_per_tenant[tenant.name] = (
             self._inflight_per_tenant.get(tenant.name, 0) + held)
@@ -750,6 +771,8 @@ class TierDriver(Tier):
             # lock and updates two Counters), refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
             for w, e in zip(outcomes, extents):
+                if w is HELD:
+                    continue
                 if w.stored:
                     counts["writes"] += 1
                     counts["bytes_out"] += e.size
