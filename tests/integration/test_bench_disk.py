@@ -32,7 +32,7 @@ def test_bench_disk_tiny(tmp_path):
     data = json.loads((out / "bench-disk.json").read_text())
     assert data["threads"] >= 1 and data["shm_bytes"] == 4 * MIB
     assert [s["size"] for s in data["sizes"]] == [MIB, 256 << 10, 16 << 10]
-    assert all(len(s["runs"]) == len(s["limits"]) == 1 for s in data["sizes"])
+    assert data["reps"] == 1 and all(len(s["runs"]) == 1 for s in data["sizes"])
     for s in data["sizes"]:
         assert s["count"] * s["size"] == 16 * MIB
         # more than shared memory holds reached the disk...
@@ -52,5 +52,11 @@ def test_bench_disk_tiny(tmp_path):
         assert s["disk_bytes_written"] > s["bytes_written"], s
         assert 0 < s["header_overhead"] < 0.02, s
         assert s["limit_write_gbps"] >= s["limit_write_value_gbps"]
+        assert s["limit_read_gbps"] >= s["limit_read_value_gbps"]
+        # each run's ratios are against that run's own limits
+        run = s["runs"][0]
+        assert run["spill_ratio"] == run["spill_gbps"] / run["limit_write_gbps"]
+        assert run["load_restart_ratio"] == run["load_restart_gbps"] / run["limit_read_gbps"]
+        assert s["unwritten"] >= s["evicted_before_write"] >= 0  # counted, not timed
     assert data["checkpoint"]["records"] == 5000 and data["checkpoint"]["load_s"] > 0
     assert data["scan"]["records"] == 500 and data["scan"]["scan_s"] > 0

@@ -4,12 +4,12 @@ An ``ems-server --disk DIR`` whose shared memory (``--disk-shm``) is a quarter o
 working set (``--disk-mib`` MiB per value size) takes the saves of one client:
 
 * **spill**: the client saves the working set in batches of 32 MiB (at most a quarter
-  of shared memory, as every batch below); GB/s of objects
-  that reached the disk, from the first save until nothing waits or runs for the disk
-  (the daemon's ``disk`` report). The client waits before a batch while more than a
-  quarter of shared memory is queued for the disk, so that few objects are evicted
-  before they are written (the tier writes from pool memory; a queued object that
-  shared memory evicts is not written, counted as ``evicted_before_write``).
+  of shared memory, as every batch below), as fast as the daemon takes them; GB/s of
+  objects that reached the disk, from the first save until nothing waits or runs for
+  the disk (the daemon's ``disk`` report). A save that finds shared memory full of
+  objects not on disk yet waits for the tier's writer (back-pressure, counted as
+  ``save_waits``); an object evicted unwritten anyway is counted (``unwritten``,
+  ``evicted_before_write``).
 * **load evicted**: the objects shared memory evicted, loaded back (from the disk) in
   batches of 64 MiB. GB/s of the objects found (the JSON has found / asked).
 * **load after restart**: the daemon stopped (SIGTERM) and started again on the same
@@ -19,18 +19,24 @@ Value sizes: V0's 1 MiB and V1-sized blocks of 256 KiB and 16 KiB (all saved thr
 keys of 64 characters, as long as V1's hashes: the tier stores one record per key either
 way, and a record's head holds its key). The limit is measured in the same run, the
 same directory, the same bytes and the tier's thread count (``io_threads``): an
-``O_DIRECT`` sequential write then read (no page cache: what the device does), at the
-value size and, for the write, at the store's write buffer size too (the tier writes
-batches of that size; the write limit is the better of the two). Each ratio is against
-it. **Header overhead**: the bytes the tier wrote to disk beyond the values (batch
-heads and padding), as a share of all it wrote; **records/s**: values spilled per
-second. The limit and the tier's runs alternate
-``--disk-reps`` times (2), and each figure is the best of its runs (all are in the JSON):
-the machine may be shared. For the profile of a load, the same batches
-from shared memory, and the CPU seconds per GB of the daemon and the client during the
-load after the restart; the load average of the machine is recorded (other processes
-take CPUs these copies and checksums need). The engine alone (``ems.disk.DiskStore``, no
-daemon, no client) is measured the same way, so that a gap shows where it is lost.
+``O_DIRECT`` sequential write then read of a fresh file (no page cache: what the device
+does), at the value size and at the size of the tier's own transfers: the write limit
+is the better of the value size and the store's write buffer (the tier writes batches
+of that size), the read limit the better of the value size and the store's read chunk
+(a run of a save's records is read in transfers of that size). **Header overhead**: the
+bytes the tier wrote to disk beyond the values (batch heads and padding), as a share of
+all it wrote; **records/s**: values spilled per second.
+
+The device's speed drifts from second to second on a shared machine (a virtual disk
+here went from 1.4 to 3.0 GB/s between two reads of the same file), so each of
+``--disk-reps`` repetitions (3) measures the limits right before its own run of the
+tier, each ratio is that run's figure against its own limits, and the table shows the
+median of the runs (of each ratio, and of each figure; every run is in the JSON).
+For the profile of a load, the same batches from shared memory, and the CPU seconds
+per GB of the daemon and the client during the load after the restart; the load
+average of the machine is recorded (other processes take CPUs these copies and
+checksums need). The engine alone (``ems.disk.DiskStore``, no daemon, no client) is
+measured once per size, so that a gap shows where it is lost.
 
 Recovery: a synthetic checkpoint of ``--disk-records`` records (1M) loaded as at a clean
 restart, and a scan of ``--disk-scan`` records of 4 KiB written without a checkpoint (a
@@ -77,7 +83,7 @@ from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
 from ems.protocol.report import DaemonReport, DiskReport
 from ems.server.config import DiskConfig
 
-__all__ = ["SIZES", "add_arguments", "checkpoint_load", "device_limit", "main", "run",
+__all__ = ["SIZES", "add_arguments", "case", "checkpoint_load", "device_limit", "main", "run",
            "scan", "store_speed"]
 
 MiB = 1 << 20
@@ -87,6 +93,10 @@ SIZES = (("V0 1 MiB", 1 << 20), ("V1 block 256 KiB", 256 << 10),
 #: bytes of the store's write buffer: the size of the tier's writes
 WRITE_BUFFER_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
                                if f.name == "write_buffer_bytes")  # type: ignore[assignment]
+#: bytes of the store's reads: a run of back-to-back records is read in transfers of
+#: this size (``DiskSettings.chunk_bytes``)
+READ_CHUNK_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
+                             if f.name == "chunk_bytes")  # type: ignore[assignment]
 #: the tier's worker threads, the depth at which the limit is measured
 IO_THREADS: int = next(f.default for f in dataclasses.fields(DiskConfig)
                        if f.name == "io_threads")  # type: ignore[assignment]
@@ -361,13 +371,8 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
     try:
         assert tier.client is not None
         d0 = tier.disk()
-        throttled_s = 0.0
         t0 = time.perf_counter()
-        for i in range(0, count, per_save):
-            t1 = time.perf_counter()
-            while tier.disk().queued_write_bytes > shm_bytes // 4:
-                time.sleep(0.002)
-            throttled_s += time.perf_counter() - t1
+        for i in range(0, count, per_save):  # as fast as the daemon takes them
             batch = keys[i:i + per_save]
             tier.client.save(batch, src[:len(batch)])
         saved_s = time.perf_counter() - t0
@@ -410,7 +415,8 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         "spill_records_per_s": written / size / spill_s,
         "disk_bytes_written": on_disk, "batches_written": batches,
         "header_overhead": 1 - written / on_disk if on_disk else None,
-        "client_save_s": saved_s, "client_throttled_s": throttled_s,
+        "client_save_s": saved_s, "save_waits": d1.save_waits - d0.save_waits,
+        "unwritten": sum(d1.unwritten.values()) - sum(d0.unwritten.values()),
         "bytes_written": written, "evictions": pool.evictions,
         "evicted_before_write": d1.evicted_before_write,
         "load_evicted_gbps": evicted_found * size / load_evicted_s / 1e9 if evicted else None,
@@ -446,16 +452,60 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-dir", default=None,
                    help="directory on the disk to measure (default: --out); a temp "
                         "directory inside it is removed after")
-    g.add_argument("--disk-mib", type=int, default=256,
+    g.add_argument("--disk-mib", type=int, default=1024,
                    help="working set per value size, MiB (disk use about 2x this)")
     g.add_argument("--disk-shm-mib", type=int, default=0,
                    help="the daemon's shared memory, MiB (default: a quarter of --disk-mib)")
-    g.add_argument("--disk-reps", type=int, default=2,
-                   help="repetitions of each limit and tier run, interleaved (best of each)")
+    g.add_argument("--disk-reps", type=int, default=3,
+                   help="repetitions of the limits and the tier's run, interleaved (each "
+                        "run against its own limits; the median of the runs)")
     g.add_argument("--disk-records", type=int, default=1_000_000,
                    help="records of the synthetic checkpoint (recovery)")
     g.add_argument("--disk-scan", type=int, default=20_000,
                    help="records recovered by a scan (no checkpoint)")
+
+
+def _median(values: Sequence[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
+         reps: int) -> dict[str, Any]:
+    """One value size: ``reps`` repetitions of the device's limits then the tier's run,
+    each tier figure taken against the limits of its own repetition."""
+    big_write = max(size, WRITE_BUFFER_BYTES)
+    big_read = max(size, READ_CHUNK_BYTES)
+    runs = []
+    for _ in range(reps):  # the device's speed drifts: each run has its own limits
+        value = device_limit(root, size, count, threads)
+        write_buffer = device_limit(root, big_write, max(threads, count * size // big_write),
+                                    threads)
+        read_chunk = (value if big_read == size else
+                      device_limit(root, big_read, max(threads, count * size // big_read),
+                                   threads))
+        run = tier_speed(root, name, size, count * size, shm)
+        lw, lr = max(value[0], write_buffer[0]), max(value[1], read_chunk[1])
+        run.update(limit_write_gbps=lw, limit_read_gbps=lr,
+                   limit_write_value_gbps=value[0], limit_write_buffer_gbps=write_buffer[0],
+                   limit_read_value_gbps=value[1], limit_read_chunk_gbps=read_chunk[1],
+                   spill_ratio=run["spill_gbps"] / lw,
+                   load_evicted_ratio=(run["load_evicted_gbps"] / lr
+                                       if run["load_evicted_gbps"] else None),
+                   load_restart_ratio=run["load_restart_gbps"] / lr)
+        runs.append(run)
+    # the figure of each field: its median over the runs (a ratio is the median of the
+    # runs' ratios, each against its own run's limit, not a ratio of medians)
+    row = dict(runs[reps // 2])
+    for key, value in runs[0].items():
+        if isinstance(value, float) and all(isinstance(r[key], float) for r in runs):
+            row[key] = _median([r[key] for r in runs])
+    row.update(reps=reps, write_buffer_bytes=WRITE_BUFFER_BYTES,
+               read_chunk_bytes=READ_CHUNK_BYTES, runs=runs,
+               store=store_speed(root, size, count, threads))
+    return row
 
 
 def run(root: Path, mib: int, shm_mib: int, records: int, scan_records: int,
@@ -464,43 +514,21 @@ def run(root: Path, mib: int, shm_mib: int, records: int, scan_records: int,
     threads = IO_THREADS
     shm = (shm_mib or max(8, mib // 4)) * MiB
     out: dict[str, Any] = {"threads": threads, "mib": mib, "shm_bytes": shm, "align": ALIGN,
-                           "sizes": []}
+                           "reps": reps, "sizes": []}
     say(f"{'values':<18}{'limit w':>8}{'spill':>7}{'ratio':>6}{'rec/s':>8}{'head':>6}  "
         f"{'limit r':>8}{'evicted':>8}{'ratio':>6}{'restart':>8}{'ratio':>6}  "
-        f"{'store w/r':>10}  (GB/s, {threads} threads)")
+        f"{'store w/r':>10}  (GB/s, {threads} threads, median of {reps})")
     for name, size in SIZES:
         count = max(threads, (mib * MiB) // size)
-        limits, buffer_limits, runs = [], [], []
-        big = max(size, WRITE_BUFFER_BYTES)
-        for _ in range(reps):  # interleaved, best of each: the machine is shared
-            limits.append(device_limit(root, size, count, threads))
-            buffer_limits.append(device_limit(root, big, max(threads, count * size // big),
-                                              threads)[0])
-            runs.append(tier_speed(root, name, size, count * size, shm))
-        lw_value = max(x[0] for x in limits)
-        lw_buffer = max(buffer_limits)
-        lw, lr = max(lw_value, lw_buffer), max(x[1] for x in limits)
-        tier = dict(max(runs, key=lambda r: float(r["load_restart_gbps"])))
-        for key in ("spill_gbps", "spill_records_per_s", "load_evicted_gbps",
-                    "load_shm_gbps"):
-            tier[key] = max((r[key] for r in runs if r[key] is not None), default=None)
-        store = store_speed(root, size, count, threads)
-        row = {**tier, "limit_write_gbps": lw, "limit_read_gbps": lr, "reps": reps,
-               "limit_write_value_gbps": lw_value, "limit_write_buffer_gbps": lw_buffer,
-               "write_buffer_bytes": WRITE_BUFFER_BYTES,
-               "limits": limits, "buffer_limits": buffer_limits, "runs": runs,
-               "spill_ratio": tier["spill_gbps"] / lw,
-               "load_evicted_ratio": (tier["load_evicted_gbps"] / lr
-                                      if tier["load_evicted_gbps"] else None),
-               "load_restart_ratio": tier["load_restart_gbps"] / lr,
-               "store": store}
+        row = case(root, name, size, count, shm, threads, reps)
         out["sizes"].append(row)
+        store = row["store"]
         ev = row["load_evicted_gbps"] or 0.0
-        head = 100 * (tier["header_overhead"] or 0.0)
-        say(f"{name:<18}{lw:>8.2f}{tier['spill_gbps']:>7.2f}{row['spill_ratio']:>6.2f}"
-            f"{tier['spill_records_per_s']:>8.0f}{head:>5.2f}%  {lr:>8.2f}{ev:>8.2f}"
-            f"{(row['load_evicted_ratio'] or 0):>6.2f}"
-            f"{tier['load_restart_gbps']:>8.2f}{row['load_restart_ratio']:>6.2f}  "
+        head = 100 * (row["header_overhead"] or 0.0)
+        say(f"{name:<18}{row['limit_write_gbps']:>8.2f}{row['spill_gbps']:>7.2f}"
+            f"{row['spill_ratio']:>6.2f}{row['spill_records_per_s']:>8.0f}{head:>5.2f}%  "
+            f"{row['limit_read_gbps']:>8.2f}{ev:>8.2f}{(row['load_evicted_ratio'] or 0):>6.2f}"
+            f"{row['load_restart_gbps']:>8.2f}{row['load_restart_ratio']:>6.2f}  "
             f"{store['write_gbps']:>4.2f}/{store['read_gbps']:<4.2f}")
     ck = checkpoint_load(root, records)
     say(f"checkpoint load: {ck['records']} records in {ck['load_s']:.2f} s "
