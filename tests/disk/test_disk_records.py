@@ -67,7 +67,8 @@ def _valid(raw: bytes, tenant: str) -> list[tuple[str, bytes]]:
 def test_batch_round_trip_and_layout(tenant, vals, data):
     keys = data.draw(st.lists(names, min_size=len(vals), max_size=len(vals)))
     raw, want = _batch(tenant, keys, vals)
-    assert parse_batch_fixed(raw) == (want.head_len, want.span)
+    fixed = parse_batch_fixed(raw)
+    assert (fixed.head_len, fixed.span) == (want.head_len, want.span)
     assert parse_batch_head(raw) == want
     assert want.span % ALIGN == 0
     at = want.head_len
@@ -87,7 +88,8 @@ def test_a_head_parses_in_place_inside_a_larger_buffer(tenant, vals, before, aft
     keys = [f"k{i}" for i in range(len(vals))]
     raw, want = _batch(tenant, keys, vals)
     buf = memoryview(before + raw + after)
-    assert parse_batch_fixed(buf, len(before)) == (want.head_len, want.span)
+    fixed = parse_batch_fixed(buf, len(before))
+    assert (fixed.head_len, fixed.span) == (want.head_len, want.span)
     assert parse_batch_head(buf, len(before)) == want
     short = buf[:len(before) + max(0, want.head_len - cut)]
     assert parse_batch_head(short, len(before)) is None
