@@ -233,8 +233,9 @@ class DiskConfig:
     flush_on_stop_s: float = setting(
         "on SIGTERM, write what shared memory holds and the disk does not, for at most "
         "this long, seconds", Number(0, 86400), default=30.0)
-    io_threads: int = setting("read worker threads (the disk's queue depth; writes: half)",
-                              Integer(1, 64), default=4)
+    io_threads: int = setting(
+        "the disk's queue depth: read worker threads, and as many write worker threads "
+        "(reads never wait behind writes)", Integer(1, 64), default=4)
     inflight_bytes: int = setting("bytes of writes in flight at most", Size(),
                                   default=64 << 20, key="inflight")
     queue_bytes: int = setting(

@@ -310,7 +310,7 @@ def start(config: ServerConfig, loop: Loop, tenants: Callable[[], Iterable[Tenan
     except DiskStoreLocked as exc:
         raise RuntimeError(f"disk tier: {exc}") from exc
     tier = TierDriver(engine, loop, DriverSettings(
-        read_workers=disk.io_threads, write_workers=max(1, disk.io_threads // 2),
+        read_workers=disk.io_threads, write_workers=disk.io_threads,
         max_op_s=config.reservation_ttl_s / 2, inflight_bytes=disk.inflight_bytes,
         tenant_share=0.25, queue_bytes=disk.queue_bytes, bound_setting="disk.queue",
         save_wait_s=disk.save_wait_ms / 1000,
