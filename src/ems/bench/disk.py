@@ -17,21 +17,35 @@ working set (``--disk-mib`` MiB per value size) takes the saves of one client:
 
 Value sizes: V0's 1 MiB and V1-sized blocks of 256 KiB and 16 KiB (all saved through V0
 keys of 64 characters, as long as V1's hashes: the tier stores one record per key either
-way, and a record's head holds its key). The limit is measured in the same run, the
-same directory, the same bytes and the tier's thread count (``io_threads``): an
-``O_DIRECT`` sequential write then read of a fresh file (no page cache: what the device
-does), at the value size and at the size of the tier's own transfers: the write limit
-is the better of the value size and the store's write buffer (the tier writes batches
-of that size), the read limit the better of the value size and the store's read chunk
-(a run of a save's records is read in transfers of that size). **Header overhead**: the
-bytes the tier wrote to disk beyond the values (batch heads and padding), as a share of
-all it wrote; **records/s**: values spilled per second.
+way, and a record's head holds its key). The limits are measured in the same run, the
+same directory and the tier's thread count (``io_threads``), ``O_DIRECT`` (no page cache:
+what the device does):
+
+* **write**: sequential writes of the same bytes to a fresh file (the tier appends to
+  fresh region files), at the value size and at the store's write buffer size (the
+  tier writes batches of that size), right before and right after each run of the
+  tier: per size the mean of the two (the device's speed over the run), and the
+  better size.
+* **read**: the tier's own region files (the very bytes a load reads, where they lie
+  on the device), read in the store's read chunks (a run of a save's records is read
+  in transfers of that size), batch by batch beside the load: each batch the tier
+  loads is followed by a read of as many bytes of those files (in the order the keys
+  were saved: about the bytes the batch has just read), and the load's GB/s is taken
+  against the GB/s of those reads, over the same seconds of the device. Fresh files read at the value size and the read chunk are in
+  the JSON too (here they read slower than the region files).
+
+**Header overhead**: the bytes the tier wrote to disk beyond the values (batch heads
+and padding), as a share of all it wrote; **records/s**: values spilled per second.
 
 The device's speed drifts from second to second on a shared machine (a virtual disk
-here went from 1.4 to 3.0 GB/s between two reads of the same file), so each of
-``--disk-reps`` repetitions (3) measures the limits right before its own run of the
-tier, each ratio is that run's figure against its own limits, and the table shows the
-median of the runs (of each ratio, and of each figure; every run is in the JSON).
+here read the same kind of file at 1.7 and 3.0 GB/s in two repetitions a few seconds
+apart): hence the reads paired batch by batch, and ``--disk-reps`` repetitions (3),
+each ratio that run's figure against its own limits; the table shows the median of the
+runs (of each ratio, and of each figure; every run is in the JSON). Deleted files are
+synced before each write limit: this file system discards freed blocks when its
+journal commits, and a discard of the last run's gigabyte would slow the next
+measurement.
+
 For the profile of a load, the same batches from shared memory, and the CPU seconds
 per GB of the daemon and the client during the load after the restart; the load
 average of the machine is recorded (other processes take CPUs these copies and
@@ -83,8 +97,8 @@ from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
 from ems.protocol.report import DaemonReport, DiskReport
 from ems.server.config import DiskConfig
 
-__all__ = ["SIZES", "add_arguments", "case", "checkpoint_load", "device_limit", "main", "run",
-           "scan", "store_speed"]
+__all__ = ["SIZES", "RegionReads", "add_arguments", "case", "checkpoint_load", "device_limit",
+           "main", "run", "scan", "store_speed"]
 
 MiB = 1 << 20
 #: (name, value bytes) of the measured cases
@@ -149,6 +163,53 @@ def device_limit(root: Path, size: int, count: int, threads: int) -> tuple[float
         for v in views:
             v.release()
     return count * size / w / 1e9, count * size / r / 1e9
+
+
+class RegionReads:
+    """``O_DIRECT`` reads of the tier's own region files under ``directory`` (the very
+    bytes a load reads, where they lie on the device), in ``chunk``-byte reads,
+    ``threads`` deep: :meth:`read` moves the next ``nbytes`` of them (from the first
+    file on, in the order the keys were saved and are loaded, cycling) and says how
+    long it took. Each batch of a load is followed by such a read of as many bytes:
+    about the bytes the batch has just read, over the same seconds of the device
+    (read second: a cache between this machine and the device would help the limit,
+    not the tier)."""
+
+    def __init__(self, directory: Path, chunk: int, threads: int) -> None:
+        self.chunk, self.threads = chunk, threads
+        self._fds = [os.open(str(p), os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                     for p in sorted(directory.rglob("*.region"))]
+        self._spots = [(fd, at) for fd in self._fds
+                       for at in range(0, os.fstat(fd).st_size // chunk * chunk, chunk)]
+        self._next = 0
+        self._bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+        self._views = [memoryview(b) for b in self._bufs]
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def read(self, nbytes: int) -> float:
+        spots = self._spots
+        if not spots:
+            return 0.0
+        n = max(1, nbytes // self.chunk)
+        first = self._next
+        self._next = (first + n) % len(spots)
+        views = self._views
+        took = _parallel(self.threads, n, lambda t, i: os.preadv(
+            spots[(first + i) % len(spots)][0], [views[t]],
+            spots[(first + i) % len(spots)][1]))
+        self.bytes += n * self.chunk
+        self.seconds += took
+        return took
+
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def close(self) -> None:
+        for v in self._views:
+            v.release()
+        for fd in self._fds:
+            os.close(fd)
 
 
 def store_speed(root: Path, size: int, count: int, threads: int) -> dict[str, Any]:
@@ -344,15 +405,22 @@ def _cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def _load_all(client: EmsSystem, keys: Sequence[str], buf: np.ndarray) -> tuple[float, int]:
-    """Load ``keys`` in batches of ``len(buf)``; seconds taken and keys found."""
+def _load_all(client: EmsSystem, keys: Sequence[str], buf: np.ndarray,
+              paired: Optional[RegionReads] = None) -> tuple[float, int]:
+    """Load ``keys`` in batches of ``len(buf)``; seconds taken and keys found. With
+    ``paired``, each batch is followed by a read of as many bytes of the region files
+    (not counted in the seconds)."""
     n = buf.shape[0]
     found = 0
-    t0 = time.perf_counter()
+    took = 0.0
     for i in range(0, len(keys), n):
         batch = keys[i:i + n]
+        t0 = time.perf_counter()
         found += client.load_found(batch, buf[:len(batch)])
-    return time.perf_counter() - t0, found
+        took += time.perf_counter() - t0
+        if paired is not None:
+            paired.read(buf[:len(batch)].nbytes)
+    return took, found
 
 
 def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: int
@@ -384,7 +452,12 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         pool = tier.report().tenants["(anonymous)"]
         # The objects shared memory no longer holds: all but the last shm's worth.
         evicted = keys[:max(0, count - 2 * (shm_bytes // size))]
-        load_evicted_s, evicted_found = _load_all(tier.client, evicted, dst)
+        paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
+        try:
+            load_evicted_s, evicted_found = _load_all(tier.client, evicted, dst, paired)
+        finally:
+            paired.close()
+        limit_evicted = paired.gbps()
         d2 = tier.disk()
         tier.stop()
         t1 = time.perf_counter()
@@ -395,7 +468,12 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         assert tier.daemon is not None
         pid = tier.daemon.service.pid
         cpu0, ccpu0 = _cpu_s(pid), time.process_time()
-        load_restart_s, restart_found = _load_all(tier.client, keys, dst)
+        paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
+        try:
+            load_restart_s, restart_found = _load_all(tier.client, keys, dst, paired)
+        finally:
+            paired.close()
+        limit_restart = paired.gbps()
         daemon_cpu_s, client_cpu_s = _cpu_s(pid) - cpu0, time.process_time() - ccpu0
         d4 = tier.disk()
         # The same batch size again from shared memory (the last keys loaded are
@@ -425,6 +503,7 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         "restart_s": restart_s, "records_recovered": d3.records_recovered,
         "scan_skipped": d3.scan_skipped,
         "load_restart_gbps": restart_found * size / load_restart_s / 1e9,
+        "limit_read_evicted_gbps": limit_evicted, "limit_read_restart_gbps": limit_restart,
         "load_restart_found": restart_found,
         "load_batch_bytes": dst.nbytes,
         "load_shm_gbps": shm_found * size / load_shm_s / 1e9,
@@ -472,28 +551,46 @@ def _median(values: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
-def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
-         reps: int) -> dict[str, Any]:
-    """One value size: ``reps`` repetitions of the device's limits then the tier's run,
-    each tier figure taken against the limits of its own repetition."""
+def _limits(root: Path, size: int, count: int, threads: int
+            ) -> tuple[float, float, float, float]:
+    """The device's O_DIRECT limits for ``count`` values of ``size`` bytes, fresh files,
+    ``threads`` deep: write at the value size and at the write buffer's, read at the
+    value size and at the read chunk's (GB/s). Deleted files are synced first (this
+    file system discards freed blocks at its journal's commit)."""
+    os.sync()
     big_write = max(size, WRITE_BUFFER_BYTES)
     big_read = max(size, READ_CHUNK_BYTES)
+    value = device_limit(root, size, count, threads)
+    buffer = device_limit(root, big_write, max(threads, count * size // big_write), threads)
+    chunk = (value if big_read == size else
+             device_limit(root, big_read, max(threads, count * size // big_read), threads))
+    return value[0], buffer[0], value[1], chunk[1]
+
+
+def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
+         reps: int) -> dict[str, Any]:
+    """One value size: ``reps`` repetitions of the device's limits, the tier's run and
+    the limits again, each tier figure taken against the limits of its own
+    repetition."""
     runs = []
     for _ in range(reps):  # the device's speed drifts: each run has its own limits
-        value = device_limit(root, size, count, threads)
-        write_buffer = device_limit(root, big_write, max(threads, count * size // big_write),
-                                    threads)
-        read_chunk = (value if big_read == size else
-                      device_limit(root, big_read, max(threads, count * size // big_read),
-                                   threads))
+        before = _limits(root, size, count, threads)
         run = tier_speed(root, name, size, count * size, shm)
-        lw, lr = max(value[0], write_buffer[0]), max(value[1], read_chunk[1])
+        after = _limits(root, size, count, threads)
+        # each size's limit: the mean of right before and right after (the device's
+        # speed over the run; the better of two noisy figures would overstate it)
+        w_value, w_buffer, r_value, r_chunk = ((a + b) / 2 for a, b in zip(before, after))
+        lw = max(w_value, w_buffer)
+        # a load against the reads of its own region files, batch by batch beside it
+        # (fresh files read slower here than the region files: they are in the JSON)
+        lr_evicted, lr = run["limit_read_evicted_gbps"], run["limit_read_restart_gbps"]
         run.update(limit_write_gbps=lw, limit_read_gbps=lr,
-                   limit_write_value_gbps=value[0], limit_write_buffer_gbps=write_buffer[0],
-                   limit_read_value_gbps=value[1], limit_read_chunk_gbps=read_chunk[1],
+                   limit_write_value_gbps=w_value, limit_write_buffer_gbps=w_buffer,
+                   limit_read_value_gbps=r_value, limit_read_chunk_gbps=r_chunk,
+                   limits_before=before, limits_after=after,
                    spill_ratio=run["spill_gbps"] / lw,
-                   load_evicted_ratio=(run["load_evicted_gbps"] / lr
-                                       if run["load_evicted_gbps"] else None),
+                   load_evicted_ratio=(run["load_evicted_gbps"] / lr_evicted
+                                       if run["load_evicted_gbps"] and lr_evicted else None),
                    load_restart_ratio=run["load_restart_gbps"] / lr)
         runs.append(run)
     # the figure of each field: its median over the runs (a ratio is the median of the
