@@ -52,11 +52,15 @@ def test_bench_disk_tiny(tmp_path):
         assert s["disk_bytes_written"] > s["bytes_written"], s
         assert 0 < s["header_overhead"] < 0.02, s
         assert s["limit_write_gbps"] >= s["limit_write_value_gbps"]
-        assert s["limit_read_gbps"] >= s["limit_read_value_gbps"]
-        # each run's ratios are against that run's own limits
+        # each run's ratios are against that run's own limits: the write limit taken
+        # around it, the read limit the reads of its region files beside each load
         run = s["runs"][0]
         assert run["spill_ratio"] == run["spill_gbps"] / run["limit_write_gbps"]
+        assert run["limit_read_gbps"] == run["limit_read_restart_gbps"] > 0
         assert run["load_restart_ratio"] == run["load_restart_gbps"] / run["limit_read_gbps"]
+        assert run["load_evicted_ratio"] == (run["load_evicted_gbps"]
+                                             / run["limit_read_evicted_gbps"])
+        assert run["limit_read_value_gbps"] > 0 and run["limit_read_chunk_gbps"] > 0
         assert s["unwritten"] >= s["evicted_before_write"] >= 0  # counted, not timed
     assert data["checkpoint"]["records"] == 5000 and data["checkpoint"]["load_s"] > 0
     assert data["scan"]["records"] == 500 and data["scan"]["scan_s"] > 0
