@@ -187,41 +187,52 @@ def disk_run(d: dict[str, Any]) -> str:
 
 
 def disk_throughput(d: dict[str, Any]) -> str:
-    out = ["| values | device write | spill | records/s | heads | device read | "
-           "load evicted | load after restart | same batches from shared memory | "
-           "engine alone w / r |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| values | device write | spill | records/s | heads | load evicted | "
+           "load after restart | same batches from shared memory | engine alone w / r |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def load(s: dict[str, Any], phase: str) -> str:
+        gbps, ratio = s[f"load_{phase}_gbps"], s[f"load_{phase}_ratio"]
+        if gbps is None or ratio is None:
+            return "–"
+        limit = s.get(f"limit_read_{phase}_gbps", s["limit_read_gbps"])
+        return f"{gbps:.2f} of {limit:.2f} ({ratio:.2f})"
     for s in d["sizes"]:
-        ev = ("–" if s["load_evicted_gbps"] is None else
-              f"{s['load_evicted_gbps']:.2f} ({s['load_evicted_ratio']:.2f})")
         st = s["store"]
         rec = s.get("spill_records_per_s")
         head = s.get("header_overhead")
         out.append(f"| {s['name']} | {s['limit_write_gbps']:.2f} | {s['spill_gbps']:.2f} "
                    f"({s['spill_ratio']:.2f}) | {'–' if rec is None else f'{rec:,.0f}'} | "
                    f"{'–' if head is None else f'{100 * head:.2f} %'} | "
-                   f"{s['limit_read_gbps']:.2f} | {ev} | "
-                   f"{s['load_restart_gbps']:.2f} ({s['load_restart_ratio']:.2f}) | "
+                   f"{load(s, 'evicted')} | {load(s, 'restart')} | "
                    f"{s['load_shm_gbps']:.2f} | {st['write_gbps']:.2f} / "
                    f"{st['read_gbps']:.2f} |")
     reps = d.get("reps")
-    out += ["", "GB/s (ratio to the device's limit of the same direction; the write limit "
-            "is the better of the value size and the tier's write buffer size, the read "
-            "limit the better of the value size and the tier's read chunk"
-            + (f"; the median of {reps} runs, each against the limits measured right "
-               "before it" if reps else "") + "); heads: "
-            "bytes written beyond the values (batch heads, padding) per byte written. "
-            "Per value size: "
+    paired = all("limit_read_restart_gbps" in s for s in d["sizes"])
+    out += ["", "GB/s (ratio to the device's limit of the same direction: the write limit "
+            "is the better of the value size and the tier's write buffer size"
+            + (", taken right before and right after the run; a load's read limit is "
+               "the reads of the tier's own region files, batch by batch beside it "
+               "(\"of\" that GB/s)" if paired else
+               ", the read limit a fresh file's at the value size")
+            + (f"; the median of {reps} runs, each against its own limits" if reps else "")
+            + "); heads: bytes written beyond the values (batch heads, padding) per byte "
+            "written. Per value size: "
             + "; ".join(
                 f"{s['name']}: {s['load_restart_found']} of {s['count']} objects found "
                 f"after the restart ({s['records_recovered']} records recovered, scan "
-                f"{'skipped' if s['scan_skipped'] else 'run'}), {s['evicted_before_write']} "
-                f"evicted before their write, disk read p50 / p99 "
-                f"{s['read_latency_p50_ms']:.1f} / {s['read_latency_p99_ms']:.1f} ms, CPU "
-                f"per GB loaded: daemon {s['load_restart_daemon_cpu_s_per_gb']:.2f} s, "
-                f"client {s['load_restart_client_cpu_s_per_gb']:.2f} s; the device's read "
-                f"and the shared-memory path one after the other would give "
-                f"{1 / (1 / s['limit_read_gbps'] + 1 / s['load_shm_gbps']):.2f} GB/s"
+                f"{'skipped' if s['scan_skipped'] else 'run'}), "
+                + (f"{s['save_waits']} saves waited for the writer, {s['unwritten']} "
+                   f"objects left shared memory unwritten, " if "save_waits" in s else
+                   f"{s['evicted_before_write']} evicted before their write, ")
+                + (f"CPU per record spilled: daemon "
+                   f"{s['spill_daemon_cpu_us_per_record']:.1f} us, client "
+                   f"{s['spill_client_cpu_us_per_record']:.1f} us, "
+                   if "spill_daemon_cpu_us_per_record" in s else "")
+                + f"disk read p50 / p99 {s['read_latency_p50_ms']:.1f} / "
+                f"{s['read_latency_p99_ms']:.1f} ms, CPU per GB loaded: daemon "
+                f"{s['load_restart_daemon_cpu_s_per_gb']:.2f} s, client "
+                f"{s['load_restart_client_cpu_s_per_gb']:.2f} s"
                 for s in d["sizes"]) + "."]
     return "\n".join(out)
 
@@ -283,28 +294,22 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
     commit = _commit(d["ems"])
     out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
            f"benchmarks/disk_load_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
-           f"per value size through {d['shm_mib']} MiB of shared memory, load average "
+           f"per value size through {d['shm_mib']} MiB of shared memory, every object "
+           f"loaded back from the disk after a restart; load average "
            f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
-           "| values | phase | batch | load from disk | same batch from shared memory | "
-           "fetch (difference) | engine read alone | client copy alone | load GB/s | "
-           "engine GB/s | device read GB/s |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    shares = []
+           "| values | a load | its parts | first part | wait for a later part | "
+           "copy of a part | copies hidden behind a read | load | device read beside it |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
-        st, b = r["store"]["store_read_s"], r["batch_bytes"]
-        for phase in ("evicted", "restart"):
-            p = r[phase]
-            fetch = p["disk_load_s"] - p["shm_load_s"]
-            out.append(f"| {r['name']} | {phase} | {_size(b)} | "
-                       f"{p['disk_load_s'] * 1e3:.1f} ms | {p['shm_load_s'] * 1e3:.1f} ms | "
-                       f"{fetch * 1e3:.1f} ms | {st * 1e3:.1f} ms | "
-                       f"{r['copy_s'] * 1e3:.1f} ms | {b / p['disk_load_s'] / 1e9:.2f} | "
-                       f"{b / st / 1e9:.2f} | {r['limit_read_gbps']:.2f} |")
-            shares.append(f"{r['name']} {phase} {100 * p['shm_load_s'] / p['disk_load_s']:.0f} %")
-    out += ["", "Per batch, mean of the batches; the engine read is `DiskStore.read` of the "
-            "same records, `io_threads` deep, with the daemon stopped. The part of a load "
-            "that is not the disk (the same batch from shared memory: round trip and "
-            "client copy) is " + ", ".join(shares) + " of the load from disk."]
+        out.append(f"| {r['name']} | {_size(r['load_bytes'])} | "
+                   f"{r['parts_per_load']:.0f} × {_size(r['part_bytes'])}, "
+                   f"{r['window']} in flight | {r['first_part_ms']:.1f} ms | "
+                   f"{r['wait_ms']:.1f} ms | {r['copy_ms']:.1f} ms | "
+                   f"{100 * r['hidden_copies']:.0f} % | {r['load_gbps']:.2f} GB/s | "
+                   f"{r['device_gbps']:.2f} GB/s |")
+    out += ["", "Medians over the loads and their parts. The wait is from the end of a "
+            "part's copy to the next part's answer: the disk's read that the copy did not "
+            "hide. A copy is hidden when the next part's answer came after it ended."]
     return "\n".join(out)
 
 

@@ -31,8 +31,9 @@ what the device does):
   in transfers of that size), batch by batch beside the load: each batch the tier
   loads is followed by a read of as many bytes of those files (in the order the keys
   were saved: about the bytes the batch has just read), and the load's GB/s is taken
-  against the GB/s of those reads, over the same seconds of the device. Fresh files read at the value size and the read chunk are in
-  the JSON too (here they read slower than the region files).
+  against the GB/s of those reads, over the same seconds of the device. Fresh files
+  read at the value size and the read chunk are in the JSON too (here they read
+  slower than the region files).
 
 **Header overhead**: the bytes the tier wrote to disk beyond the values (batch heads
 and padding), as a share of all it wrote; **records/s**: values spilled per second.
@@ -439,6 +440,8 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
     try:
         assert tier.client is not None
         d0 = tier.disk()
+        assert tier.daemon is not None
+        spill_cpu0, spill_ccpu0 = _cpu_s(tier.daemon.service.pid), time.process_time()
         t0 = time.perf_counter()
         for i in range(0, count, per_save):  # as fast as the daemon takes them
             batch = keys[i:i + per_save]
@@ -446,6 +449,8 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         saved_s = time.perf_counter() - t0
         d1 = tier.settle()
         spill_s = time.perf_counter() - t0
+        spill_daemon_cpu_s = _cpu_s(tier.daemon.service.pid) - spill_cpu0
+        spill_client_cpu_s = time.process_time() - spill_ccpu0
         written = d1.bytes_written - d0.bytes_written
         on_disk = d1.disk_bytes_written - d0.disk_bytes_written
         batches = d1.batches_written - d0.batches_written
@@ -491,6 +496,8 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         "shm_bytes": shm_bytes,
         "spill_gbps": written / spill_s / 1e9, "spill_s": spill_s,
         "spill_records_per_s": written / size / spill_s,
+        "spill_daemon_cpu_us_per_record": spill_daemon_cpu_s / count * 1e6,
+        "spill_client_cpu_us_per_record": spill_client_cpu_s / count * 1e6,
         "disk_bytes_written": on_disk, "batches_written": batches,
         "header_overhead": 1 - written / on_disk if on_disk else None,
         "client_save_s": saved_s, "save_waits": d1.save_waits - d0.save_waits,
