@@ -43,8 +43,9 @@ A write-out, step by step::
     loop:    admitted? -> fits in flight now (and nothing waits)? -> start
              else room in the queue? -> wait there, marked unwritten in the pool
              (evicted only after every written object); else dropped (counted, warned)
-    start:   already held by the engine? -> skip; pin it (gone? counted) -> writer
-    writer:  write from the pinned memory (no copy beyond the engine's own)
+    start:   pin the save's objects still in shared memory (gone? counted) -> writer
+    writer:  held by the engine already? -> HELD (its one check, under its lock);
+             else write from the pinned memory (no copy beyond the engine's own)
     loop:    unpin, count the outcome, start what now fits, wake the saves that
              wait for a write of this tenant (:meth:`TierDriver.wait_written`)
 
