@@ -26,13 +26,13 @@ def test_off_by_default():
 def test_file_then_environment_then_flags(tmp_path):
     cfg = _load(toml='[disk]\npath = "/f"\ncapacity = "1G"\ncheckpoint_s = 5\n'
                      'admission = "second-hit"\nwrite_budget = "2T"\nflush_on_stop_s = 3\n'
-                     'io_threads = 8\ninflight = "16M"\nqueue = "256M"\n'
+                     'io_threads = 6\ninflight = "16M"\nqueue = "256M"\n'
                      '[disk.quotas]\n"team-a" = "512M"\n', tmp_path=tmp_path)
     d = cfg.disk
     assert (d.path, d.capacity_bytes, d.checkpoint_s, d.admission) == (
         "/f", 1 << 30, 5.0, "second-hit")
     assert (d.write_budget_bytes_per_day, d.flush_on_stop_s, d.io_threads, d.inflight_bytes,
-            d.queue_bytes) == (2 << 40, 3.0, 8, 16 << 20, 256 << 20)
+            d.queue_bytes) == (2 << 40, 3.0, 6, 16 << 20, 256 << 20)
     assert d.quotas_bytes == {"team-a": 512 << 20}
     cfg = _load(env={"EMS_DISK": "/e", "EMS_DISK_CAPACITY": "2G",
                      "EMS_DISK_CHECKPOINT_S": "7"},

@@ -235,7 +235,7 @@ class DiskConfig:
         "this long, seconds", Number(0, 86400), default=30.0)
     io_threads: int = setting(
         "the disk's queue depth: read worker threads, and as many write worker threads "
-        "(reads never wait behind writes)", Integer(1, 64), default=4)
+        "(reads never wait behind writes)", Integer(1, 64), default=8)
     inflight_bytes: int = setting("bytes of writes in flight at most", Size(),
                                   default=64 << 20, key="inflight")
     queue_bytes: int = setting(
