@@ -52,6 +52,7 @@ def test_bench_disk_tiny(tmp_path):
         assert s["disk_bytes_written"] > s["bytes_written"], s
         assert 0 < s["header_overhead"] < 0.02, s
         assert s["limit_write_gbps"] >= s["limit_write_value_gbps"]
+        assert s["limit_write_gbps"] >= s["limit_write_regions_gbps"] > 0
         # each run's ratios are against that run's own limits: the write limit taken
         # around it, the read limit the reads of its region files beside each load
         run = s["runs"][0]

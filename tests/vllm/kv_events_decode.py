@@ -35,8 +35,10 @@ def main() -> None:
     pub.evicted("tenant", [f"v1:{space}:2"], "ems-shm")
     pub.stored("tenant", [9], "ems-disk")
     pub.stored("tenant", [9], "ems-cluster")
+    pub.stored("tenant", [7], "ems-disk", keys=[f"v1:{space}:3"])
+    pub.evicted("tenant", [f"v1:{space}:3"], "ems-disk")  # its region evicted
     deadline = time.monotonic() + 10
-    while pub.statistics().published_batches < 5:
+    while pub.statistics().published_batches < 7:
         assert time.monotonic() < deadline, pub.statistics()
         time.sleep(0.01)
     req.send_multipart([b"", (0).to_bytes(8, "big")])  # everything, by replay

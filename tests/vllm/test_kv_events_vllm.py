@@ -26,9 +26,11 @@ def test_vllms_decoder_reads_every_ems_event(venv_python, tmp_path):  # noqa: F8
         ("BlockStored", f"kv@h1@tenant@{space}"),
         ("BlockRemoved", f"kv@h1@tenant@{space}"),
         ("BlockStored", "kv@h1@tenant@-"),
-        ("BlockStored", "kv@h1@tenant@-")]
-    assert [e["seq"] for e in events] == [0, 1, 2, 3, 4]
-    stored, removed, disk, cluster = events[1:]
+        ("BlockStored", "kv@h1@tenant@-"),
+        ("BlockStored", f"kv@h1@tenant@{space}"),
+        ("BlockRemoved", f"kv@h1@tenant@{space}")]
+    assert [e["seq"] for e in events] == [0, 1, 2, 3, 4, 5, 6]
+    stored, removed, disk, cluster, disk_stored, disk_removed = events[1:]
     assert stored["block_hashes"] == [5, (1 << 64) - 1]
     assert (stored["medium"], stored["locality"], stored["ownership"]) == (
         "CPU", "LOCAL", "ems-shm")
@@ -37,3 +39,6 @@ def test_vllms_decoder_reads_every_ems_event(venv_python, tmp_path):  # noqa: F8
     assert removed["block_hashes"] == [(1 << 64) - 1]
     assert (disk["medium"], disk["ownership"]) == ("STORAGE", "ems-disk")
     assert (cluster["medium"], cluster["locality"]) == ("CPU", "REMOTE")
+    # a key that left the disk (its region evicted): BlockRemoved from the disk tier
+    assert disk_stored["block_hashes"] == disk_removed["block_hashes"] == [7]
+    assert (disk_removed["medium"], disk_removed["ownership"]) == ("STORAGE", "ems-disk")

@@ -21,11 +21,11 @@ way, and a record's head holds its key). The limits are measured in the same run
 same directory and the tier's thread count (``io_threads``), ``O_DIRECT`` (no page cache:
 what the device does):
 
-* **write**: sequential writes of the same bytes to a fresh file (the tier appends to
-  fresh region files), at the value size and at the store's write buffer size (the
-  tier writes batches of that size), right before and right after each run of the
-  tier: per size the mean of the two (the device's speed over the run), and the
-  better size.
+* **write**: sequential writes of the same bytes to a fresh file, at the value size
+  and at the store's write buffer size (the tier writes batches of that size), and in
+  write buffers appended to fresh files of a region's size one after the other (the
+  tier's own way), right before and right after each run of the tier: per way the mean
+  of the two (the device's speed over the run), and the best way.
 * **read**: the tier's own region files (the very bytes a load reads, where they lie
   on the device), read in the store's read chunks (a run of a save's records is read
   in transfers of that size), batch by batch beside the load: each batch the tier
@@ -75,7 +75,7 @@ import threading
 import time
 from array import array
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -99,7 +99,7 @@ from ems.protocol.report import DaemonReport, DiskReport
 from ems.server.config import DiskConfig
 
 __all__ = ["SIZES", "RegionReads", "add_arguments", "case", "checkpoint_load", "device_limit",
-           "main", "run", "scan", "store_speed"]
+           "main", "region_write_limit", "run", "scan", "store_speed"]
 
 MiB = 1 << 20
 #: (name, value bytes) of the measured cases
@@ -108,6 +108,9 @@ SIZES = (("V0 1 MiB", 1 << 20), ("V1 block 256 KiB", 256 << 10),
 #: bytes of the store's write buffer: the size of the tier's writes
 WRITE_BUFFER_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
                                if f.name == "write_buffer_bytes")  # type: ignore[assignment]
+#: bytes of a region file (the tier appends its write buffers to one after the other)
+REGION_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
+                         if f.name == "region_bytes")  # type: ignore[assignment]
 #: bytes of the store's reads: a run of back-to-back records is read in transfers of
 #: this size (``DiskSettings.chunk_bytes``)
 READ_CHUNK_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
@@ -164,6 +167,43 @@ def device_limit(root: Path, size: int, count: int, threads: int) -> tuple[float
         for v in views:
             v.release()
     return count * size / w / 1e9, count * size / r / 1e9
+
+
+def region_write_limit(root: Path, nbytes: int, region_bytes: int, chunk: int,
+                       threads: int) -> float:
+    """``O_DIRECT`` writes of ``nbytes`` into fresh files of ``region_bytes`` each, one
+    after the other, in ``chunk``-byte appends, ``threads`` deep (the tier's way: its
+    writers append write buffers to the tenant's current region file): GB/s."""
+    per = max(1, region_bytes // chunk)
+    count = max(threads, nbytes // chunk)
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(chunk))
+    views = [memoryview(b) for b in bufs]
+    fds: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def write(t: int, i: int) -> None:
+        with lock:
+            fd = fds.get(i // per)
+            if fd is None:
+                fd = fds[i // per] = os.open(root / f"limit-{i // per}.region",
+                                             os.O_CREAT | os.O_RDWR
+                                             | getattr(os, "O_DIRECT", 0), 0o600)
+        os.pwritev(fd, [views[t]], i % per * chunk)
+    try:
+        took = _parallel(threads, count, write)
+        t0 = time.perf_counter()
+        for fd in fds.values():
+            os.fdatasync(fd)
+        took += time.perf_counter() - t0
+    finally:
+        for n, fd in fds.items():
+            os.close(fd)
+            os.unlink(root / f"limit-{n}.region")
+        for v in views:
+            v.release()
+    return count * chunk / took / 1e9
 
 
 class RegionReads:
@@ -558,20 +598,30 @@ def _median(values: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
-def _limits(root: Path, size: int, count: int, threads: int
-            ) -> tuple[float, float, float, float]:
-    """The device's O_DIRECT limits for ``count`` values of ``size`` bytes, fresh files,
-    ``threads`` deep: write at the value size and at the write buffer's, read at the
-    value size and at the read chunk's (GB/s). Deleted files are synced first (this
-    file system discards freed blocks at its journal's commit)."""
+class Limits(NamedTuple):
+    """The device's ``O_DIRECT`` GB/s for one value size at one moment (fresh files)."""
+
+    write_value: float  # one file, value-size writes
+    write_buffer: float  # one file, write-buffer-size writes
+    write_regions: float  # write buffers appended to region-size files, one after another
+    read_value: float  # one file, value-size reads
+    read_chunk: float  # one file, read-chunk-size reads
+
+
+def _limits(root: Path, size: int, count: int, threads: int) -> Limits:
+    """The device's limits for ``count`` values of ``size`` bytes, ``threads`` deep.
+    Deleted files are synced first (this file system discards freed blocks at its
+    journal's commit)."""
     os.sync()
     big_write = max(size, WRITE_BUFFER_BYTES)
     big_read = max(size, READ_CHUNK_BYTES)
     value = device_limit(root, size, count, threads)
     buffer = device_limit(root, big_write, max(threads, count * size // big_write), threads)
+    os.sync()
+    regions = region_write_limit(root, count * size, REGION_BYTES, big_write, threads)
     chunk = (value if big_read == size else
              device_limit(root, big_read, max(threads, count * size // big_read), threads))
-    return value[0], buffer[0], value[1], chunk[1]
+    return Limits(value[0], buffer[0], regions, value[1], chunk[1])
 
 
 def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
@@ -584,17 +634,20 @@ def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
         before = _limits(root, size, count, threads)
         run = tier_speed(root, name, size, count * size, shm)
         after = _limits(root, size, count, threads)
-        # each size's limit: the mean of right before and right after (the device's
+        # each way's limit: the mean of right before and right after (the device's
         # speed over the run; the better of two noisy figures would overstate it)
-        w_value, w_buffer, r_value, r_chunk = ((a + b) / 2 for a, b in zip(before, after))
-        lw = max(w_value, w_buffer)
+        mean = Limits(*((a + b) / 2 for a, b in zip(before, after)))
+        lw = max(mean.write_value, mean.write_buffer, mean.write_regions)
         # a load against the reads of its own region files, batch by batch beside it
         # (fresh files read slower here than the region files: they are in the JSON)
         lr_evicted, lr = run["limit_read_evicted_gbps"], run["limit_read_restart_gbps"]
         run.update(limit_write_gbps=lw, limit_read_gbps=lr,
-                   limit_write_value_gbps=w_value, limit_write_buffer_gbps=w_buffer,
-                   limit_read_value_gbps=r_value, limit_read_chunk_gbps=r_chunk,
-                   limits_before=before, limits_after=after,
+                   limit_write_value_gbps=mean.write_value,
+                   limit_write_buffer_gbps=mean.write_buffer,
+                   limit_write_regions_gbps=mean.write_regions,
+                   limit_read_value_gbps=mean.read_value,
+                   limit_read_chunk_gbps=mean.read_chunk,
+                   limits_before=before._asdict(), limits_after=after._asdict(),
                    spill_ratio=run["spill_gbps"] / lw,
                    load_evicted_ratio=(run["load_evicted_gbps"] / lr_evicted
                                        if run["load_evicted_gbps"] and lr_evicted else None),
