@@ -3,7 +3,7 @@
 unwritten, and the hit rate against an unbounded shared memory (issue #28, item 2).
 
     python benchmarks/disk_backpressure.py                 # table, disk_backpressure.json
-    python benchmarks/disk_backpressure.py --out docs --requests 3000 --delays 0,10
+    python benchmarks/disk_backpressure.py --out docs --requests 3000 --delays 0,40
 
 The first ``--requests`` of Mooncake's conversation trace (``--trace``) are replayed
 as ``ems bench --trace`` replays them (``ems.bench.trace.replay``: exists, load of the
@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--capacity", type=int, default=1000,
                     help="shared memory of the disk runs, blocks (default 1000: 16 MiB)")
     ap.add_argument("--block-bytes", type=int, default=16 << 10)
-    ap.add_argument("--delays", default="0,10", help="disk.io_delay_ms values, comma list")
+    ap.add_argument("--delays", default="0,40", help="disk.io_delay_ms values, comma list "
+                    "(40: 8 writers of a save each, slower than the client's saves)")
     ap.add_argument("--waits", default="0,100", help="disk.save_wait_ms values, comma list")
     ap.add_argument("--out", type=Path, default=Path("."), help="where the JSON goes")
     args = ap.parse_args(argv)
