@@ -211,7 +211,7 @@ def disk_throughput(d: dict[str, Any]) -> str:
     paired = all("limit_read_restart_gbps" in s for s in d["sizes"])
     out += ["", "GB/s (ratio to the device's limit of the same direction: the write limit "
             "is the best of writes of the value size and of the tier's write buffer size "
-            + ("to one fresh file and of write buffers appended to region-size files, "
+            + ("to one fresh file and of write buffers appended to region-size files"
                if "limit_write_regions_gbps" in d["sizes"][0] else "to a fresh file")
             + (", taken right before and right after the run; a load's read limit is "
                "the reads of the tier's own region files, batch by batch beside it "
