@@ -12,7 +12,13 @@ import time
 
 import pytest
 from support.client_worker import Value, pattern
-from support.itest_support import anonymous_stats, anonymous_stats_when, wait_for
+from support.itest_support import (
+    anonymous_stats,
+    anonymous_stats_when,
+    record_sends,
+    slow_copy,
+    wait_for,
+)
 
 from ems import CcKvOption, Ems, EmsErrorCode, EmsException
 from ems.client import copy as _copy
@@ -258,27 +264,13 @@ def test_slices_of_a_large_save():
     assert _chunks(0, 10) == []
 
 
-def _record_sends(monkeypatch, session) -> list:
-    sent: list[str] = []
-    send = session.send
-
-    def recording(msg_for, wait_s):
-        def build(rid):
-            msg = msg_for(rid)
-            sent.append(m.MESSAGES[msg[0] if type(msg) is list else msg.TYPE].__name__)
-            return msg
-        return send(build, wait_s)
-    monkeypatch.setattr(session, "send", recording)
-    return sent
-
-
 def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
     """24 x 1 MiB in slices of 8 keys (the daemon's max_keys, made small): three
     Reserves, each next one sent before the copy of the slice before it, then the
     Commits after the last copy; bit-exact."""
     session = cc._transport._session
     monkeypatch.setattr(session, "max_keys", 8)
-    sent = _record_sends(monkeypatch, session)
+    sent = record_sends(monkeypatch, session)
     order: list[str] = []
     copy = _copy.copy_bytes
 
@@ -305,14 +297,7 @@ def test_a_large_save_that_times_out_mid_copy_leaves_nothing(cc, server, monkeyp
     (slices 1-2 aborted, slice 3's late Granted undone when it is read)."""
     monkeypatch.setattr(cc._transport._session, "max_keys", 8)
     copy = _copy.copy_bytes
-    calls = [0]
-
-    def slow(dst, src, n):
-        calls[0] += 1
-        if calls[0] == 10:  # in slice 2
-            time.sleep(0.5)
-        return copy(dst, src, n)
-    monkeypatch.setattr(_copy, "copy_bytes", slow)
+    slow_copy(monkeypatch, 10, 0.5)  # the 10th copy: in slice 2
     keys = [f"late-{i}" for i in range(24)]
     vals = [Value(1 << 20, pattern(k, 1 << 20)) for k in keys]
     with pytest.raises(EmsException) as err:

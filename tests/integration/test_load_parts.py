@@ -11,14 +11,12 @@ import time
 
 import pytest
 from support.client_worker import Value, pattern
-from support.itest_support import anonymous_stats_when
+from support.itest_support import anonymous_stats_when, record_sends, slow_copy
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException
-from ems.client import copy as _copy
 from ems.client import remote
 from ems.client.movers import V0Mover
 from ems.client.remote import _parts
-from ems.protocol import messages as m
 
 pytestmark = pytest.mark.integration
 
@@ -48,21 +46,12 @@ def _load(cc, keys, size=MIB, timeout_ms=5000):
 def _trace(monkeypatch, session) -> list[str]:
     """What the client did, in order: each request sent, and each call of the mover
     that copies a part out (``copy``)."""
-    events: list[str] = []
-    send = session.send
-
-    def recording(msg_for, wait_s):
-        def build(rid):
-            msg = msg_for(rid)
-            events.append(m.MESSAGES[msg[0] if type(msg) is list else msg.TYPE].__name__)
-            return msg
-        return send(build, wait_s)
+    events = record_sends(monkeypatch, session)
     from_pool = V0Mover.from_pool
 
     def tracing(self, items, locs, task):
         events.append("copy")
         return from_pool(self, items, locs, task)
-    monkeypatch.setattr(session, "send", recording)
     monkeypatch.setattr(V0Mover, "from_pool", tracing)
     return events
 
@@ -103,15 +92,7 @@ def test_a_deadline_during_a_copy_leaves_no_pin(cc, server, monkeypatch):
     keys = [f"late-{i}" for i in range(24)]
     _save(cc, keys)
     monkeypatch.setattr(remote, "LOAD_PART_BYTES", 8 * MIB)
-    copy = _copy.copy_bytes
-    calls = [0]
-
-    def slow(dst, src, n):
-        calls[0] += 1
-        if calls[0] == 10:  # in part 2
-            time.sleep(0.5)
-        return copy(dst, src, n)
-    monkeypatch.setattr(_copy, "copy_bytes", slow)
+    calls = slow_copy(monkeypatch, 10, 0.5)  # the 10th copy: in part 2
     outs = [Value(MIB) for _ in keys]
     with pytest.raises(EmsException) as err:
         cc.load(CcKvOption(timeout=300), keys, [o.wrappers() for o in outs])

@@ -75,3 +75,38 @@ def transport_load(transport, keys: list, size: int, timeout_ms: int = 5000):
     req = Request("load", list(keys), [size] * len(keys), mover, CcKvOption(timeout=timeout_ms))
     n = transport.load(req, Task(timeout_ms, "load"))
     return n, [b.raw for b in bufs[:n]]
+
+
+def record_sends(monkeypatch, session, into: Optional[list] = None) -> list:
+    """Record the name of each request ``session`` sends (appended to ``into``, or to a
+    new list), in order; the list."""
+    from ems.protocol import messages as m
+
+    sent: list[str] = [] if into is None else into
+    send = session.send
+
+    def recording(msg_for, wait_s):
+        def build(rid):
+            msg = msg_for(rid)
+            sent.append(m.MESSAGES[msg[0] if type(msg) is list else msg.TYPE].__name__)
+            return msg
+        return send(build, wait_s)
+    monkeypatch.setattr(session, "send", recording)
+    return sent
+
+
+def slow_copy(monkeypatch, nth: int, seconds: float) -> list[int]:
+    """The client's ``nth`` bulk copy (``ems.client.copy.copy_bytes``) sleeps
+    ``seconds`` first; a one-item list that counts the copies made so far."""
+    from ems.client import copy as _copy
+
+    copy = _copy.copy_bytes
+    calls = [0]
+
+    def slow(dst, src, n):
+        calls[0] += 1
+        if calls[0] == nth:
+            time.sleep(seconds)
+        return copy(dst, src, n)
+    monkeypatch.setattr(_copy, "copy_bytes", slow)
+    return calls

@@ -464,6 +464,20 @@ def _load_all(client: EmsSystem, keys: Sequence[str], buf: np.ndarray,
     return took, found
 
 
+def _load_paired(tier: _TierDaemon, keys: Sequence[str], buf: np.ndarray
+                 ) -> tuple[float, int, float]:
+    """:func:`_load_all` of ``keys`` through ``tier``'s client, each batch followed by a
+    read of as many bytes of its region files: seconds, keys found, and the device's
+    GB/s over those reads."""
+    assert tier.client is not None
+    paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
+    try:
+        took, found = _load_all(tier.client, keys, buf, paired)
+    finally:
+        paired.close()
+    return took, found, paired.gbps()
+
+
 def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: int
                ) -> dict[str, Any]:
     """Spill, load of the evicted objects, and load after a restart, of ``total_bytes``
@@ -497,12 +511,7 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         pool = tier.report().tenants["(anonymous)"]
         # The objects shared memory no longer holds: all but the last shm's worth.
         evicted = keys[:max(0, count - 2 * (shm_bytes // size))]
-        paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
-        try:
-            load_evicted_s, evicted_found = _load_all(tier.client, evicted, dst, paired)
-        finally:
-            paired.close()
-        limit_evicted = paired.gbps()
+        load_evicted_s, evicted_found, limit_evicted = _load_paired(tier, evicted, dst)
         d2 = tier.disk()
         tier.stop()
         t1 = time.perf_counter()
@@ -513,12 +522,7 @@ def tier_speed(root: Path, name: str, size: int, total_bytes: int, shm_bytes: in
         assert tier.daemon is not None
         pid = tier.daemon.service.pid
         cpu0, ccpu0 = _cpu_s(pid), time.process_time()
-        paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
-        try:
-            load_restart_s, restart_found = _load_all(tier.client, keys, dst, paired)
-        finally:
-            paired.close()
-        limit_restart = paired.gbps()
+        load_restart_s, restart_found, limit_restart = _load_paired(tier, keys, dst)
         daemon_cpu_s, client_cpu_s = _cpu_s(pid) - cpu0, time.process_time() - ccpu0
         d4 = tier.disk()
         # The same batch size again from shared memory (the last keys loaded are
