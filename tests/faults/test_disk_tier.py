@@ -242,7 +242,9 @@ def test_a_slow_disk_keeps_the_deadline_and_no_byte_arrives_late(make_server, wo
     assert workers.run(server, "save", keys=keys, size=MIB)["success"] == 8
     _settled(server, 8)
     server.stop()
-    config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\nio_delay_ms = 400\n')
+    # 4 readers of 2 keys each: every second read ends past the load's deadline
+    config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\nio_delay_ms = 400\n'
+                      'io_threads = 4\n')
     server.args += ["--config", str(config)]
     server.args = [a for a in server.args if a not in ("--disk", str(tmp_path / "disk"))]
     server.start()
