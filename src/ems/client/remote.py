@@ -317,30 +317,25 @@ class RemoteTransport(Transport):
         return self._live(wait_s)
 
     def _sliced(self, n: int, make: Callable[[int, int, int], Any], cls: type,
-                task: Optional[Task], more: Callable[[Any, int], bool],
-                undo: Callable[[Session, list], None], spin: bool = False
-                ) -> tuple[Session, list]:
+                task: Optional[Task], more: Callable[[Any, int], bool], spin: bool = False
+                ) -> list:
         """A batch of ``n`` entries as requests of at most the daemon's ``max_keys``
         entries each (``Limits.max_keys_per_request``), in order on one connection:
         ``make(rid, lo, hi)`` builds slice ``[lo, hi)``; ``more(reply, hi - lo)`` says
-        whether the next slice is still wanted (a load stops at its first miss). If a
-        slice fails, ``undo(session, replies)`` gives back what the earlier ones got."""
+        whether the next slice is still wanted (an exists stops at its first miss).
+        Their replies hold nothing to give back (a load, whose pins do, goes in parts:
+        :meth:`load`)."""
         session = self._ready(task)
         replies: list = []
-        try:
-            for lo, hi in _chunks(n, session.max_keys) or [(0, 0)]:  # (empty: one request)
-                _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task,
-                                      session, spin)
-                if type(reply) is not cls:
-                    raise bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
-                replies.append(reply)
-                if hi >= n or not more(reply, hi - lo):
-                    break
-            return session, replies
-        except BaseException:
-            if replies:
-                undo(session, replies)
-            raise
+        for lo, hi in _chunks(n, session.max_keys) or [(0, 0)]:  # (empty: one request)
+            _, reply = self._call(functools.partial(_slice_of, make, lo, hi), task,
+                                  session, spin)
+            if type(reply) is not cls:
+                raise bad_reply(f"{type(reply).__name__} instead of {cls.__name__}")
+            replies.append(reply)
+            if hi >= n or not more(reply, hi - lo):
+                break
+        return replies
 
     # ------------------------------------------------------------ Transport
     def save(self, req: Request, task: Task, spin: bool = False) -> list[bool]:
@@ -507,11 +502,10 @@ class RemoteTransport(Transport):
             raise io_error("the connection to ems-server was lost during this save; "
                             "its reservations are gone")
         try:
-            _, replies = self._sliced(
+            replies = self._sliced(
                 len(tokens), lambda rid, lo, hi: m.Commit(rid=rid, tokens=tokens[lo:hi],
                                                           budget_ms=_budget_ms(task)),
-                m.Committed,
-                task, lambda r, n: True, lambda s, r: None, spin)
+                m.Committed, task, lambda r, n: True, spin)
         except EmsException:
             # Nobody aborts after a failed commit: do it here. If the commit did reach
             # the daemon, this comes after it on the same connection and is a no-op.
@@ -614,11 +608,11 @@ class RemoteTransport(Transport):
         want = None if sizes is None else list(sizes)
         local_only = _read_local_only(option)
         budget = int(CONTROL_TIMEOUT_S * 1000 * 0.8)  # bounds a cluster daemon's lookup
-        _, replies = self._sliced(
+        replies = self._sliced(
             len(keys), lambda rid, lo, hi: m.Exists(rid=rid, keys=keys[lo:hi],
                                                     sizes=None if want is None else want[lo:hi],
                                                     local_only=local_only, budget_ms=budget),
-            m.Count, None, lambda r, n: r.n == n, lambda s, r: None)
+            m.Count, None, lambda r, n: r.n == n)
         n = sum(r.n for r in replies)
         if n > len(keys) or any(r.n > len(keys) for r in replies):
             raise bad_reply(f"a Count of {n} for an Exists of {len(keys)} keys")
