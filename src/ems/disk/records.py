@@ -140,8 +140,7 @@ def layout(tenant: bytes, keys: Sequence[bytes], value_lens: Sequence[int]) -> B
     at = head
     offsets = []
     for n in value_lens:  # a value of whole blocks on a block, any other at 8 bytes
-        unit = PACK if n % ALIGN else ALIGN
-        at = -(-at // unit) * unit
+        at = round_up(at, PACK if n % ALIGN else ALIGN)
         offsets.append(at)
         at += n
     return BatchLayout(head, tuple(offsets), round_up(at))
@@ -219,11 +218,11 @@ def parse_batch_head(block: Buffer, at: int = 0, fixed: Optional[BatchFixed] = N
         fixed = parse_batch_fixed(block, at)
     if fixed is None or len(block) - at < fixed.head_len:
         return None
-    head_len, span, count, tl, hcrc = fixed
+    head_len, span, tl = fixed.head_len, fixed.span, fixed.tenant_len
     view = memoryview(block)
     crc = zlib.crc32(view[at:at + _HCRC_AT])
     crc = zlib.crc32(_ZERO_CRC, crc)
-    if zlib.crc32(view[at + _HCRC_AT + 4:at + head_len], crc) != hcrc:
+    if zlib.crc32(view[at + _HCRC_AT + 4:at + head_len], crc) != fixed.hcrc:
         return None
     unpack, size = _ENTRY.unpack_from, _ENTRY.size
     try:
@@ -232,7 +231,7 @@ def parse_batch_head(block: Buffer, at: int = 0, fixed: Optional[BatchFixed] = N
         pos += tl
         entries = []
         end = head_len
-        for _ in range(count):
+        for _ in range(fixed.records):
             off, seq, vlen, xxh, kl = unpack(view, pos)
             pos += size
             key = str(view[pos:pos + kl], "utf-8")

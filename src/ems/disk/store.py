@@ -507,7 +507,7 @@ class DiskStore:
         cap = self.settings.write_buffer_bytes
         start = filled = 0
         for j, n in enumerate(lens):  # cut into write buffers
-            span = -(-n // ALIGN) * ALIGN
+            span = round_up(n)
             if j > start and filled + span > cap:
                 self._write_one_batch(tenant, tb, _Batch(
                     indexes[start:j], keys[start:j], kbs[start:j], views[start:j],
