@@ -148,15 +148,23 @@ def _parallel(threads: int, count: int, work: Callable[[int, int], object]) -> f
     return time.perf_counter() - t0
 
 
+def _buffers(threads: int, size: int) -> list[memoryview]:
+    """A page-aligned buffer of ``size`` random bytes per thread (``O_DIRECT``'s memory;
+    release the views when done)."""
+    views = []
+    for _ in range(threads):
+        b = mmap.mmap(-1, size)
+        b.write(os.urandom(size))
+        views.append(memoryview(b))
+    return views
+
+
 def device_limit(root: Path, size: int, count: int, threads: int) -> tuple[float, float]:
     """``O_DIRECT`` write then read of ``count`` values of ``size`` bytes, ``threads``
     deep, sequential offsets, in ``root``: GB/s each way."""
     path = root / "limit.dat"
     fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_DIRECT", 0), 0o600)
-    bufs = [mmap.mmap(-1, size) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(size))
-    views = [memoryview(b) for b in bufs]
+    views = _buffers(threads, size)
     try:
         w = _parallel(threads, count, lambda t, i: os.pwritev(fd, [views[t]], i * size))
         os.fdatasync(fd)
@@ -176,10 +184,7 @@ def region_write_limit(root: Path, nbytes: int, region_bytes: int, chunk: int,
     writers append write buffers to the tenant's current region file): GB/s."""
     per = max(1, region_bytes // chunk)
     count = max(threads, nbytes // chunk)
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(chunk))
-    views = [memoryview(b) for b in bufs]
+    views = _buffers(threads, chunk)
     fds: dict[int, int] = {}
     lock = threading.Lock()
 
@@ -192,11 +197,9 @@ def region_write_limit(root: Path, nbytes: int, region_bytes: int, chunk: int,
                                              | getattr(os, "O_DIRECT", 0), 0o600)
         os.pwritev(fd, [views[t]], i % per * chunk)
     try:
-        took = _parallel(threads, count, write)
-        t0 = time.perf_counter()
+        took = _parallel(threads, count, write)  # (the sync untimed, as device_limit's)
         for fd in fds.values():
             os.fdatasync(fd)
-        took += time.perf_counter() - t0
     finally:
         for n, fd in fds.items():
             os.close(fd)
@@ -223,8 +226,7 @@ class RegionReads:
         self._spots = [(fd, at) for fd in self._fds
                        for at in range(0, os.fstat(fd).st_size // chunk * chunk, chunk)]
         self._next = 0
-        self._bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-        self._views = [memoryview(b) for b in self._bufs]
+        self._views = _buffers(threads, chunk)
         self.bytes = 0
         self.seconds = 0.0
 
@@ -236,9 +238,11 @@ class RegionReads:
         first = self._next
         self._next = (first + n) % len(spots)
         views = self._views
-        took = _parallel(self.threads, n, lambda t, i: os.preadv(
-            spots[(first + i) % len(spots)][0], [views[t]],
-            spots[(first + i) % len(spots)][1]))
+
+        def read(t: int, i: int) -> None:
+            fd, at = spots[(first + i) % len(spots)]
+            os.preadv(fd, [views[t]], at)
+        took = _parallel(self.threads, n, read)
         self.bytes += n * self.chunk
         self.seconds += took
         return took
