@@ -70,6 +70,7 @@ import dataclasses
 import mmap
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -599,13 +600,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="records recovered by a scan (no checkpoint)")
 
 
-def _median(values: Sequence[float]) -> float:
-    """The middle value (the mean of the two middle ones for an even count)."""
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
 class Limits(NamedTuple):
     """The device's ``O_DIRECT`` GB/s for one value size at one moment (fresh files)."""
 
@@ -666,7 +660,7 @@ def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
     row = dict(runs[reps // 2])
     for key, value in runs[0].items():
         if isinstance(value, float) and all(isinstance(r[key], float) for r in runs):
-            row[key] = _median([r[key] for r in runs])
+            row[key] = statistics.median(r[key] for r in runs)
     row.update(reps=reps, write_buffer_bytes=WRITE_BUFFER_BYTES,
                read_chunk_bytes=READ_CHUNK_BYTES, runs=runs,
                store=store_speed(root, size, count, threads))
