@@ -195,8 +195,7 @@ def disk_throughput(d: dict[str, Any]) -> str:
         gbps, ratio = s[f"load_{phase}_gbps"], s[f"load_{phase}_ratio"]
         if gbps is None or ratio is None:
             return "–"
-        limit = s.get(f"limit_read_{phase}_gbps", s["limit_read_gbps"])
-        return f"{gbps:.2f} of {limit:.2f} ({ratio:.2f})"
+        return f"{gbps:.2f} of {s[f'limit_read_{phase}_gbps']:.2f} ({ratio:.2f})"
     for s in d["sizes"]:
         st = s["store"]
         rec = s.get("spill_records_per_s")
@@ -207,32 +206,24 @@ def disk_throughput(d: dict[str, Any]) -> str:
                    f"{load(s, 'evicted')} | {load(s, 'restart')} | "
                    f"{s['load_shm_gbps']:.2f} | {st['write_gbps']:.2f} / "
                    f"{st['read_gbps']:.2f} |")
-    reps = d.get("reps")
-    paired = all("limit_read_restart_gbps" in s for s in d["sizes"])
     out += ["", "GB/s (ratio to the device's limit of the same direction: the write limit "
             "is the best of writes of the value size and of the tier's write buffer size "
-            + ("to one fresh file and of write buffers appended to region-size files"
-               if "limit_write_regions_gbps" in d["sizes"][0] else "to a fresh file")
-            + (", taken right before and right after the run; a load's read limit is "
-               "the reads of the tier's own region files, batch by batch beside it "
-               "(\"of\" that GB/s)" if paired else
-               ", the read limit a fresh file's at the value size")
-            + (f"; the median of {reps} runs, each against its own limits" if reps else "")
-            + "); heads: bytes written beyond the values (batch heads, padding) per byte "
-            "written. Per value size: "
+            "to one fresh file and of write buffers appended to region-size files, taken "
+            "right before and right after the run; a load's read limit is the reads of the "
+            "tier's own region files, batch by batch beside it (\"of\" that GB/s); the "
+            f"median of {d['reps']} runs, each against its own limits); heads: bytes "
+            "written beyond the values (batch heads, padding) per byte written. Per value "
+            "size: "
             + "; ".join(
                 f"{s['name']}: {s['load_restart_found']} of {s['count']} objects found "
                 f"after the restart ({s['records_recovered']} records recovered, scan "
-                f"{'skipped' if s['scan_skipped'] else 'run'}), "
-                + (f"{s['save_waits']} saves waited for the writer, {s['unwritten']} "
-                   f"objects left shared memory unwritten, " if "save_waits" in s else
-                   f"{s['evicted_before_write']} evicted before their write, ")
-                + (f"CPU per record spilled: daemon "
-                   f"{s['spill_daemon_cpu_us_per_record']:.1f} us, client "
-                   f"{s['spill_client_cpu_us_per_record']:.1f} us, "
-                   if "spill_daemon_cpu_us_per_record" in s else "")
-                + f"disk read p50 / p99 {s['read_latency_p50_ms']:.1f} / "
-                f"{s['read_latency_p99_ms']:.1f} ms, CPU per GB loaded: daemon "
+                f"{'skipped' if s['scan_skipped'] else 'run'}), {s['save_waits']} saves "
+                f"waited for the writer, {s['unwritten']} objects left shared memory "
+                f"unwritten, CPU per record spilled: daemon "
+                f"{s['spill_daemon_cpu_us_per_record']:.1f} us, client "
+                f"{s['spill_client_cpu_us_per_record']:.1f} us, disk read p50 / p99 "
+                f"{s['read_latency_p50_ms']:.1f} / {s['read_latency_p99_ms']:.1f} ms, CPU "
+                f"per GB loaded: daemon "
                 f"{s['load_restart_daemon_cpu_s_per_gb']:.2f} s, client "
                 f"{s['load_restart_client_cpu_s_per_gb']:.2f} s"
                 for s in d["sizes"]) + "."]
