@@ -63,6 +63,10 @@ CLEAN_MARKER = "clean"
 _SUFFIX = ".region"
 #: bytes a scan reads per pread (records inside are parsed from memory)
 SCAN_READ_BYTES = 8 << 20
+#: a scan reads on from a head when fewer bytes than this are left in its buffer (a
+#: longer head is read again whole: a full 4 MiB write buffer of 16 KiB values has a
+#: head of ~25 KiB)
+HEAD_WINDOW = 64 << 10
 
 
 def tenant_dir(root: str, tenant: str) -> str:
@@ -147,45 +151,60 @@ class Scanned:
 
 def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start``
-    on, each value's checksum verified. The file is read in :data:`SCAN_READ_BYTES`
-    preads and every head parsed in place in that buffer: the scan's cost is Python's
-    per record (a head, a checksum, five appends), ~5 us, where slicing a view per
-    head and a generator per record took twice that (``benchmarks/disk_store.py``)."""
+    on, each value's checksum verified. The file is read into one reused buffer of
+    :data:`SCAN_READ_BYTES` (a fresh one per read faulted in two pages per record of
+    4 KiB saved alone) and every head parsed in place in it: the scan's cost is
+    Python's per record (a head, a checksum, five appends)."""
     out = Scanned()
     tb = tenant.encode()
     keys, offsets, sizes = out.keys.append, out.offsets.append, out.sizes.append
     seqs, checksums = out.seqs.append, out.checksums.append
+    space = bytearray(SCAN_READ_BYTES)
     fd = fs.open_file(path)
     try:
         size = fs.file_size(fd)
+
+        def fill(at: int, need: int) -> memoryview:
+            """The file's bytes from ``at`` on (at least ``need`` of them where the file
+            has them), read into the reused buffer."""
+            nonlocal space
+            if need > len(space):
+                space = bytearray(need)
+            n = min(len(space), size - at)
+            view = memoryview(space)[:n]
+            got = fs.read_at(fd, [view], at)
+            return view[:got]
+
         buf = memoryview(b"")
-        buf_at = start
-        pos = start
+        buf_at = buf_end = pos = start  # the buffer holds the file's [buf_at, buf_end)
         while pos + BATCH_FIXED_BYTES <= size:
             rel = pos - buf_at
-            if rel < 0 or rel + BATCH_FIXED_BYTES > len(buf):  # read on from here
-                buf = memoryview(fs.read_bytes(fd, SCAN_READ_BYTES, pos))
-                buf_at, rel = pos, 0
-            fixed = parse_batch_fixed(buf, rel)
-            head = None
-            if fixed is not None and pos + fixed.head_len <= size:
-                if rel + fixed.head_len > len(buf):  # the head runs past the buffer
-                    buf = memoryview(fs.read_bytes(fd, max(SCAN_READ_BYTES, fixed.head_len),
-                                                   pos))
-                    buf_at, rel = pos, 0
-                head = parse_batch_head(buf, rel, fixed)
-            if head is None or head.tenant != tenant:
-                pos += ALIGN
-                continue
+            if rel < 0 or (pos + HEAD_WINDOW > buf_end and buf_end < size):
+                buf.release()
+                buf, buf_at, rel = fill(pos, SCAN_READ_BYTES), pos, 0
+                buf_end = pos + len(buf)
+            head = parse_batch_head(buf, tenant, rel)
+            if head is None:  # garbage, another tenant's, or a head past the buffer
+                fixed = parse_batch_fixed(buf, rel)
+                if (fixed is not None and pos + fixed.head_len > buf_end
+                        and pos + fixed.head_len <= size):
+                    buf.release()
+                    buf, buf_at, rel = fill(pos, fixed.head_len), pos, 0
+                    buf_end = pos + len(buf)
+                    head = parse_batch_head(buf, tenant, rel)
+                if head is None:
+                    pos += ALIGN
+                    continue
             for e in head.entries:
                 at = pos + e.offset
                 vlen = e.value_len
                 if at + vlen > size:
                     out.damaged += 1
                     continue
-                if at + vlen > buf_at + len(buf):  # the batch runs past the buffer
-                    buf = memoryview(fs.read_bytes(fd, max(SCAN_READ_BYTES, vlen), at))
-                    buf_at = at
+                if at + vlen > buf_end:  # the batch runs past the buffer
+                    buf.release()
+                    buf, buf_at = fill(at, vlen), at
+                    buf_end = at + len(buf)
                 if checksum(tb, e.key.encode(), e.seq,
                             buf[at - buf_at:at - buf_at + vlen]) != e.xxh3:
                     out.damaged += 1
