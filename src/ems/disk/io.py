@@ -366,13 +366,14 @@ class RegionFile:
             room = limit
             while pending and room and len(chunk) < IOV_MAX:
                 v = pending[-1]
-                take = min(room, v.nbytes)
-                chunk.append(v[:take])
-                room -= take
-                if take == v.nbytes:
-                    pending.pop()
+                n = v.nbytes
+                if n <= room:  # whole (a write buffer's values mostly are)
+                    chunk.append(pending.pop())
+                    room -= n
                 else:
-                    pending[-1] = v[take:]
+                    chunk.append(v[:room])
+                    pending[-1] = v[room:]
+                    room = 0
             done = self._io(fd, chunk, offset, write)
             want = sum(c.nbytes for c in chunk)
             if done <= 0:

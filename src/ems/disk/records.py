@@ -130,21 +130,27 @@ class BatchHead(NamedTuple):
 def layout(tenant: bytes, keys: Sequence[bytes], value_lens: Sequence[int]) -> BatchLayout:
     """The layout of a batch of ``tenant``'s records (UTF-8 ``keys`` and the lengths of
     their values); raises ``ValueError`` when tenant + a key exceed
-    :data:`MAX_NAME_BYTES`."""
+    :data:`MAX_NAME_BYTES`. Values of whole blocks (KV blocks) follow each other from
+    the first block after the head: their offsets are one running sum."""
     tl = len(tenant)
-    head = _BATCH.size + tl + _ENTRY.size * len(keys)
-    for kb in keys:
-        if tl + len(kb) > MAX_NAME_BYTES:
-            raise ValueError(f"tenant + key are {tl + len(kb)} bytes, at most "
-                             f"{MAX_NAME_BYTES}")
-        head += len(kb)
+    klens = [len(kb) for kb in keys]
+    if klens and tl + max(klens) > MAX_NAME_BYTES:
+        raise ValueError(f"tenant + key are {tl + max(klens)} bytes, at most "
+                         f"{MAX_NAME_BYTES}")
+    head = _BATCH.size + tl + _ENTRY.size * len(keys) + sum(klens)
+    at = round_up(head)
+    if not value_lens:
+        return BatchLayout(head, (), at)
+    if not any(n % ALIGN for n in value_lens):
+        offsets = tuple(accumulate(value_lens[:-1], initial=at))
+        return BatchLayout(head, offsets, round_up(offsets[-1] + value_lens[-1]))
     at = head
-    offsets = []
+    spread = []
     for n in value_lens:  # a value of whole blocks on a block, any other at 8 bytes
         at = round_up(at, PACK if n % ALIGN else ALIGN)
-        offsets.append(at)
+        spread.append(at)
         at += n
-    return BatchLayout(head, tuple(offsets), round_up(at))
+    return BatchLayout(head, tuple(spread), round_up(at))
 
 
 def record_checksum(tenant: str, key: str, seq: int, value: Buffer) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import socket
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ems.protocol.connection import Phase, ServerConnection
 from ems.server.tenants import Tenant
@@ -31,11 +31,11 @@ from ems.server.tenants import Tenant
 __all__ = ["Reservation", "Session"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Reservation:
+class Reservation(NamedTuple):
     """A key this session reserved (NEW) and has not committed or aborted yet: what a
     Commit of its token stores, and where (``write_rcache`` False: the shared tier only,
-    no local copy)."""
+    no local copy). (A named tuple: a save makes one per key while a tier is on, and a
+    frozen dataclass cost three times as much.)"""
 
     key: str
     offset: int

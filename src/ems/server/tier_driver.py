@@ -85,7 +85,7 @@ from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentMaps
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.tenants import Tenant
-from ems.server.tiers import Extent, Loop, MetricFamily, Tier, TierCounters
+from ems.server.tiers import Extent, Loop, MetricFamily, Placed, Tier, TierCounters
 
 __all__ = ["HELD", "Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
            "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
@@ -704,8 +704,7 @@ class TierDriver(Tier):
             self._pump()
             for wake in self._waiters.pop(tenant.name, ()):
                 wake()
-        self._write(tenant, keys, [Extent(pin.offset, pin.size) for pin in pins], deadline,
-                    written)
+        self._write(tenant, keys, pins, deadline, written)
 
     def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
         """Call ``then`` on the loop once one of ``tenant``'s write-outs has ended (its
@@ -739,7 +738,7 @@ class TierDriver(Tier):
                     lambda outcomes: done([w.stored for w in outcomes]), hashes)
         return True
 
-    def _write(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Extent],
+    def _write(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Placed],
                deadline: Optional[float], then: Callable[[list[Written]], None],
                hashes: Optional[Sequence[Optional[int]]] = None) -> None:
         """Write each key from its pool memory on a writer; count, then ``then`` on the
@@ -753,11 +752,11 @@ class TierDriver(Tier):
             views: list[memoryview] = []
             outcomes: list[Written]
             try:
-                for e in extents:
-                    views.append(self._memory.view(tenant, e.offset, e.size))
-                outcomes = engine.write_batch(tenant, [
-                    Target(k, v, None if hashes is None else hashes[i])
-                    for i, (k, v) in enumerate(zip(keys, views))], engine_deadline)
+                view = self._memory.view
+                views = [view(tenant, e.offset, e.size) for e in extents]
+                outcomes = engine.write_batch(
+                    tenant, list(map(Target, keys, views)) if hashes is None else
+                    list(map(Target, keys, views, hashes)), engine_deadline)
             except Exception:  # noqa: BLE001 - a bug is a write not done
                 logger.exception("ems %s: a write failed", engine.name)
                 outcomes = [Written(False, "io_error")] * len(keys)
@@ -771,16 +770,20 @@ class TierDriver(Tier):
             # Counted once per write, not per record (each count takes the counters'
             # lock and updates two Counters), refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
-            for w, e in zip(outcomes, extents):
-                if w is HELD:
-                    continue
-                if w.stored:
-                    counts["writes"] += 1
-                    counts["bytes_out"] += e.size
-                else:
-                    counts[f"refused_{w.reason}"] += 1
-                    if w.warning:
-                        self._warn(w.reason, w.warning)
+            if outcomes.count(WRITTEN) == len(outcomes):  # (the common case: no loop)
+                counts["writes"] = len(outcomes)
+                counts["bytes_out"] = sum(e.size for e in extents)
+            else:
+                for w, e in zip(outcomes, extents):
+                    if w is HELD:
+                        continue
+                    if w.stored:
+                        counts["writes"] += 1
+                        counts["bytes_out"] += e.size
+                    else:
+                        counts[f"refused_{w.reason}"] += 1
+                        if w.warning:
+                            self._warn(w.reason, w.warning)
             self._counters.add(tenant, **counts)
             then(outcomes)
         self._writers.submit(job)

@@ -54,7 +54,7 @@ from ems.protocol.report import DaemonReport, TierRow, WireRow
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "MetricFamily", "Observer", "Tier", "TierCounters",
+__all__ = ["Extent", "Loop", "MetricFamily", "Observer", "Placed", "Tier", "TierCounters",
            "TierEvents"]
 
 
@@ -92,6 +92,18 @@ class Extent(NamedTuple):
 
     offset: int
     size: int
+
+
+class Placed(Protocol):
+    """Where a value's bytes are in a tenant's shared memory: an :class:`Extent`, or a
+    pool's ``Pin`` as it is (a write-out hands the writers its pins: no Extent made per
+    value)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
 
 
 class Tier:
