@@ -320,7 +320,7 @@ def test_a_removed_directory_turns_the_store_off(tmp_path, caplog):
         assert store.write("t", "k2", b"y" * 5000) is WriteResult.OFF
         assert store.read("t", "k", memoryview(bytearray(5000)), time.monotonic() + 5) \
             is ReadResult.OFF
-        assert not store.contains("t", "k") and store.leading("t", ["k"], None) == 0
+        assert not store.contains("t", "k") and store.leading("t", ["k"], None) == []
         store.checkpoint()
         assert store.write("t", "k3", b"z" * 5000) is WriteResult.OFF
         assert store.state is DiskState.OFF and store.statistics().state == "off"
@@ -383,7 +383,7 @@ def test_quota_evicts_the_tenants_least_recently_used_region(tmp_path):
         assert rows["a"].disk_bytes <= 2 * region and rows["a"].quota_bytes == 2 * region
         assert rows["b"].objects == 40
         assert not store.contains("a", "k0") and store.contains("a", "k39")
-        assert store.leading("a", ["k39", "k38", "k0"], None) == 2
+        assert store.leading("a", ["k39", "k38", "k0"], None) == [16 * KiB] * 2
         assert len(list((tmp_path / "t61").iterdir())) <= 2
         got = store.write("a", "big", value_of("big", 3 * region))
         assert got is WriteResult.TOO_LARGE

@@ -425,29 +425,25 @@ class DiskStore:
         return got is not None and (size is None or got == size)
 
     def leading(self, tenant: str, keys: Sequence[str],
-                sizes: Optional[Sequence[int]] = None) -> int:
-        """How many of ``keys``, from the first, the index has (with those sizes)."""
+                sizes: Optional[Sequence[int]] = None) -> list[int]:
+        """The sizes of the leading run of ``keys`` the index has (with those
+        ``sizes``, when given), under one hold of the lock: a disk tier's lookup."""
+        run: list[int] = []
         if self._state is not DiskState.OK:
-            return 0
-        n = 0
+            return run
+        size_of = self._index.size_of
         with self._lock:
             for i, key in enumerate(keys):
-                got = self._index.size_of(tenant, key)
+                got = size_of(tenant, key)
                 if got is None or (sizes is not None and got != sizes[i]):
                     break
-                n += 1
-        return n
+                run.append(got)
+        return run
 
     def keys(self) -> dict[str, list[str]]:
         """tenant -> the keys the index holds (a snapshot)."""
         with self._lock:
             return {t: self._index.keys(t) for t in self._index.tenants()}
-
-    def size_of(self, tenant: str, key: str) -> Optional[int]:
-        if self._state is not DiskState.OK:
-            return None
-        with self._lock:
-            return self._index.size_of(tenant, key)
 
     # --- writes ----------------------------------------------------------------------
 

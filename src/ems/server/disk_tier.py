@@ -162,14 +162,7 @@ class DiskEngine(Engine):
     def lookup(self, tenant: Tenant, keys: Sequence[str], sizes: Optional[Sequence[int]]
                ) -> list[int]:
         """The leading keys the disk index holds, with their sizes (no I/O)."""
-        store, name = self.store, tenant.name
-        run: list[int] = []
-        for i, key in enumerate(keys):
-            size = store.size_of(name, key)
-            if size is None or (sizes is not None and sizes[i] != size):
-                break
-            run.append(size)
-        return run
+        return self.store.leading(tenant.name, keys, sizes)
 
     def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
         return self.read_batch(tenant, [target], deadline)[0]
