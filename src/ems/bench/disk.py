@@ -596,7 +596,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "run against its own limits; the median of the runs)")
     g.add_argument("--disk-records", type=int, default=1_000_000,
                    help="records of the synthetic checkpoint (recovery)")
-    g.add_argument("--disk-scan", type=int, default=20_000,
+    g.add_argument("--disk-scan", type=int, default=100_000,
                    help="records recovered by a scan (no checkpoint)")
 
 
