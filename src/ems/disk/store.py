@@ -418,11 +418,7 @@ class DiskStore:
 
     def contains(self, tenant: str, key: str, size: Optional[int] = None) -> bool:
         """Whether the index has ``key`` (of ``size`` bytes when given)."""
-        if self._state is not DiskState.OK:
-            return False
-        with self._lock:
-            got = self._index.size_of(tenant, key)
-        return got is not None and (size is None or got == size)
+        return bool(self.leading(tenant, [key], None if size is None else [size]))
 
     def leading(self, tenant: str, keys: Sequence[str],
                 sizes: Optional[Sequence[int]] = None) -> list[int]:

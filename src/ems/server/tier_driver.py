@@ -768,22 +768,21 @@ class TierDriver(Tier):
 
         def done(outcomes: list[Written]) -> None:
             # Counted once per write, not per record (each count takes the counters'
-            # lock and updates two Counters), refusals by reason.
+            # lock and updates two Counters): the writes summed in two ints, the
+            # refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
-            if outcomes.count(WRITTEN) == len(outcomes):  # (the common case: no loop)
-                counts["writes"] = len(outcomes)
-                counts["bytes_out"] = sum(e.size for e in extents)
-            else:
-                for w, e in zip(outcomes, extents):
-                    if w is HELD:
-                        continue
-                    if w.stored:
-                        counts["writes"] += 1
-                        counts["bytes_out"] += e.size
-                    else:
-                        counts[f"refused_{w.reason}"] += 1
-                        if w.warning:
-                            self._warn(w.reason, w.warning)
+            writes = bytes_out = 0
+            for w, e in zip(outcomes, extents):
+                if w.stored:
+                    if w is not HELD:
+                        writes += 1
+                        bytes_out += e.size
+                else:
+                    counts[f"refused_{w.reason}"] += 1
+                    if w.warning:
+                        self._warn(w.reason, w.warning)
+            if writes:
+                counts.update(writes=writes, bytes_out=bytes_out)
             self._counters.add(tenant, **counts)
             then(outcomes)
         self._writers.submit(job)
