@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -587,3 +588,86 @@ def test_a_batch_read_agrees_with_reads_one_by_one(asks):
                 v.release()
             arena.close()
             store.close()
+
+
+class _GateFS(LocalFileSystem):
+    """The host's file system whose first write waits for ``gate`` (a slow disk under
+    the first writer), counting writes."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def write_at(self, fd, views, offset):
+        self.writes += 1
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(30)
+        return super().write_at(fd, views, offset)
+
+
+def test_small_saves_that_wait_together_are_written_as_one_batch(tmp_path):
+    """Group commit: while one small save of a tenant is being written, the saves that
+    arrive queue, and the first of them writes them all as one batch (one head, one
+    write); a key in two of them is written once (EXISTS for the second); another
+    tenant's save does not wait for this tenant's queue; a scan finds every record."""
+    fs = _GateFS()
+    store = DiskStore(DiskSettings(str(tmp_path), 256 * MiB, region_bytes=4 * MiB,
+                                   checkpoint_s=0), fs=fs)
+    store.open()
+    assert store.wait_recovered(30)
+    size = 5000
+    saves = {"A": ["a"], "B": ["b"], "C": ["b", "c"], "D": ["d", "e"]}
+    results: dict[str, list[WriteResult]] = {}
+
+    def save(name: str, tenant: str = "t") -> None:
+        results[name] = store.write_batch(tenant, [(k, value_of(k, size))
+                                                   for k in saves[name]])
+
+    threads = [threading.Thread(target=save, args=("A",))]
+    try:
+        threads[0].start()
+        assert fs.entered.wait(30)  # A is being written, held at the disk
+        for name in "BCD":
+            threads.append(threading.Thread(target=save, args=(name,)))
+            threads[-1].start()
+            for _ in range(3000):  # bounded: each joins the queue in order
+                queue = store._queues.get("t")
+                if queue is not None and len(queue.waiting) == len(threads) - 1:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError(f"{name} never queued")
+        saves["U"] = ["u"]
+        save("U", "u")  # another tenant: its own queue, written at once
+        assert results["U"] == [WriteResult.WRITTEN]
+        fs.gate.set()
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive()
+        assert results == {"A": [WriteResult.WRITTEN], "B": [WriteResult.WRITTEN],
+                           "C": [WriteResult.EXISTS, WriteResult.WRITTEN],
+                           "D": [WriteResult.WRITTEN] * 2, "U": [WriteResult.WRITTEN]}
+        st = store.statistics()
+        assert st.batches_written == 3 and st.writes == 6 and fs.writes == 3
+        assert not store._queues
+        for k in "abcde":
+            assert read_back(store, "t", k, size) == (ReadResult.HIT, value_of(k, size))
+    finally:
+        fs.gate.set()
+        for t in threads:
+            t.join(30)
+        os.close(store._lock_fd)  # a crash: the restart scans
+        store._lock_fd = -1
+        store._state = DiskState.OFF
+        store.close()
+    again = opened(tmp_path, checkpoint_s=0)
+    try:
+        st = again.statistics()
+        assert not st.scan_skipped and st.records_scanned == 6
+        for k in "abcde":
+            assert read_back(again, "t", k, size) == (ReadResult.HIT, value_of(k, size))
+        assert read_back(again, "u", "u", size) == (ReadResult.HIT, value_of("u", size))
+    finally:
+        again.close()
