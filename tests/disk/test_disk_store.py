@@ -30,6 +30,7 @@ from ems.disk import (
     WriteResult,
 )
 from ems.disk.io import LocalFileSystem
+from ems.disk.store import GROUP_DEPTH
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 MiB = 1 << 20
@@ -591,55 +592,59 @@ def test_a_batch_read_agrees_with_reads_one_by_one(asks):
 
 
 class _GateFS(LocalFileSystem):
-    """The host's file system whose first write waits for ``gate`` (a slow disk under
-    the first writer), counting writes."""
+    """The host's file system whose first ``held`` writes wait for ``gate`` (a slow
+    disk under the first writers), counting writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: int) -> None:
         self.writes = 0
-        self.entered = threading.Event()
+        self.held = held
+        self.entered = threading.Semaphore(0)
         self.gate = threading.Event()
 
     def write_at(self, fd, views, offset):
         self.writes += 1
-        if not self.entered.is_set():
-            self.entered.set()
+        if self.writes <= self.held:
+            self.entered.release()
             assert self.gate.wait(30)
         return super().write_at(fd, views, offset)
 
 
 def test_small_saves_that_wait_together_are_written_as_one_batch(tmp_path):
-    """Group commit: while one small save of a tenant is being written, the saves that
-    arrive queue, and the first of them writes them all as one batch (one head, one
-    write); a key in two of them is written once (EXISTS for the second); another
-    tenant's save does not wait for this tenant's queue; a scan finds every record."""
-    fs = _GateFS()
+    """Group commit: while GROUP_DEPTH small saves of a tenant are being written, the
+    saves that arrive queue, and the first of them writes them all as one batch (one
+    head, one write); a key in two of them is written once (EXISTS for the second);
+    another tenant's save does not wait for this tenant's queue; a scan finds every
+    record."""
+    assert GROUP_DEPTH == 2
+    fs = _GateFS(held=GROUP_DEPTH)
     store = DiskStore(DiskSettings(str(tmp_path), 256 * MiB, region_bytes=4 * MiB,
                                    checkpoint_s=0), fs=fs)
     store.open()
     assert store.wait_recovered(30)
     size = 5000
-    saves = {"A": ["a"], "B": ["b"], "C": ["b", "c"], "D": ["d", "e"]}
+    saves = {"A": ["a"], "B": ["b"], "C": ["c"], "D": ["c", "d"], "E": ["e"], "U": ["u"]}
     results: dict[str, list[WriteResult]] = {}
 
     def save(name: str, tenant: str = "t") -> None:
         results[name] = store.write_batch(tenant, [(k, value_of(k, size))
                                                    for k in saves[name]])
 
-    threads = [threading.Thread(target=save, args=("A",))]
+    threads: list[threading.Thread] = []
     try:
-        threads[0].start()
-        assert fs.entered.wait(30)  # A is being written, held at the disk
-        for name in "BCD":
+        for name in "AB":  # both held at the disk: the tenant's depth is used up
+            threads.append(threading.Thread(target=save, args=(name,)))
+            threads[-1].start()
+            assert fs.entered.acquire(timeout=30)
+        for name in "CDE":
             threads.append(threading.Thread(target=save, args=(name,)))
             threads[-1].start()
             for _ in range(3000):  # bounded: each joins the queue in order
                 queue = store._queues.get("t")
-                if queue is not None and len(queue.waiting) == len(threads) - 1:
+                if queue is not None and len(queue.waiting) == len(threads) - 2:
                     break
                 time.sleep(0.01)
             else:
                 raise AssertionError(f"{name} never queued")
-        saves["U"] = ["u"]
         save("U", "u")  # another tenant: its own queue, written at once
         assert results["U"] == [WriteResult.WRITTEN]
         fs.gate.set()
@@ -647,10 +652,11 @@ def test_small_saves_that_wait_together_are_written_as_one_batch(tmp_path):
             t.join(30)
             assert not t.is_alive()
         assert results == {"A": [WriteResult.WRITTEN], "B": [WriteResult.WRITTEN],
-                           "C": [WriteResult.EXISTS, WriteResult.WRITTEN],
-                           "D": [WriteResult.WRITTEN] * 2, "U": [WriteResult.WRITTEN]}
+                           "C": [WriteResult.WRITTEN],
+                           "D": [WriteResult.EXISTS, WriteResult.WRITTEN],
+                           "E": [WriteResult.WRITTEN], "U": [WriteResult.WRITTEN]}
         st = store.statistics()
-        assert st.batches_written == 3 and st.writes == 6 and fs.writes == 3
+        assert st.batches_written == 4 and st.writes == 6 and fs.writes == 4
         assert not store._queues
         for k in "abcde":
             assert read_back(store, "t", k, size) == (ReadResult.HIT, value_of(k, size))

@@ -158,11 +158,11 @@ class _Waiting:
     """A small batch waiting in its tenant's queue to be written (by its own thread
     or by another's, with the batches queued beside it: :meth:`DiskStore.write_batch`)."""
 
-    __slots__ = ("batch", "results", "span", "done")
+    __slots__ = ("batch", "results", "span", "taken", "done")
 
     def __init__(self, batch: _Batch, results: list[WriteResult], span: int) -> None:
         self.batch, self.results, self.span = batch, results, span
-        self.done = False
+        self.taken = self.done = False
 
 
 class _Queue:
@@ -173,7 +173,7 @@ class _Queue:
 
     def __init__(self) -> None:
         self.waiting: collections.deque[_Waiting] = collections.deque()
-        self.writing = False
+        self.writing = 0  # groups being written
 
 
 #: a batch whose values take at most this share of a write buffer is written in a group
@@ -183,6 +183,13 @@ GROUP_SHARE = 4
 #: takes it (it stops at the first turn in which none joined: a save alone pays one
 #: ``sched_yield``, ~1 us)
 GROUP_YIELDS = 64
+#: groups of one tenant written at once. The groups come from the turn above, not from
+#: this bound: 8 threads saving one 4 KiB record each made 3.4-3.5 records a batch with
+#: 1, 3.4-3.8 with 2 and 3.2-3.4 with 8, and the back-pressure replay at +40 ms an I/O
+#: (``benchmarks/disk_backpressure.py``) left 0-146 of 55,287 saves unwritten with any
+#: of them, as the tree before group commit did (0-131). Two, so that a device whose
+#: latency per I/O is long (a network disk) has a tenant's next group on its way
+GROUP_DEPTH = 2
 
 _REFUSED = {Refusal.QUOTA: WriteResult.QUOTA, Refusal.NO_SPACE: WriteResult.NO_SPACE,
             Refusal.TOO_LARGE: WriteResult.TOO_LARGE}
@@ -553,14 +560,15 @@ class DiskStore:
 
     def _write_grouped(self, tenant: str, tb: bytes, mine: _Waiting) -> None:
         """Group commit (a database log's, LevelDB's writer queue): a small batch joins
-        its tenant's queue; the batch at the head of the queue, when none of the
-        tenant's groups is being written, takes the batches behind it (up to a write
-        buffer) and writes them as one batch, one head, one ``pwritev``; the others
-        wait for it and return its results as theirs::
+        its tenant's queue; the batch at the head of the queue, when fewer than
+        :data:`GROUP_DEPTH` of the tenant's groups are being written, takes the
+        batches behind it (up to a write buffer) and writes them as one batch, one
+        head, one ``pwritev``; the others wait for it and return its results as
+        theirs::
 
-            queued --head of the queue, no group writing--> leader --written--> done
-               |                                                                 ^
-               +------------taken into the leader's group-----------------------+
+            queued --head of the queue, < GROUP_DEPTH writing--> leader --written--> done
+               |                                                                    ^
+               +--------taken into the leader's group (taken: out of the queue)-----+
 
         A save alone is written at once (after one turn). Saves that arrive together (the
         daemon's writers, engines saving a block at a time) share heads: a scan
@@ -584,10 +592,12 @@ class DiskStore:
             if q is None:
                 q = self._queues[tenant] = _Queue()
             q.waiting.append(mine)
-            while not mine.done and (q.writing or q.waiting[0] is not mine):
+            while not mine.done and (mine.taken or q.writing >= GROUP_DEPTH
+                                     or q.waiting[0] is not mine):
                 self._group.wait()
             if mine.done:
                 return
+            mine.taken = True
             for _ in range(GROUP_YIELDS):  # let the writers that are ready join first
                 n = len(q.waiting)
                 self._group.release()
@@ -601,8 +611,10 @@ class DiskStore:
             filled = mine.span
             while q.waiting and filled + q.waiting[0].span <= cap:
                 filled += q.waiting[0].span
-                group.append(q.waiting.popleft())
-            q.writing = True
+                w = q.waiting.popleft()
+                w.taken = True
+                group.append(w)
+            q.writing += 1
         try:
             if len(group) == 1:
                 self._write_one_batch(tenant, tb, mine.batch, mine.results)
@@ -610,10 +622,10 @@ class DiskStore:
                 self._write_group(tenant, tb, group)
         finally:
             with self._group:
-                q.writing = False
+                q.writing -= 1
                 for w in group:
                     w.done = True
-                if not q.waiting and self._queues.get(tenant) is q:
+                if not q.waiting and not q.writing and self._queues.get(tenant) is q:
                     del self._queues[tenant]
                 self._group.notify_all()
 
