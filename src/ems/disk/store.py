@@ -166,8 +166,8 @@ class _Waiting:
 
 
 class _Queue:
-    """A tenant's small batches waiting, and whether one of its groups is being
-    written."""
+    """A tenant's small batches waiting, and how many of its groups are being written
+    (at most :data:`GROUP_DEPTH`)."""
 
     __slots__ = ("waiting", "writing")
 
