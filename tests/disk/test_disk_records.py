@@ -86,6 +86,18 @@ def test_batch_round_trip_and_layout(tenant, vals, data):
     assert _valid(raw, tenant) == list(zip(keys, vals))
 
 
+@pytest.mark.parametrize("lens", [[64] * 5, [64, 60, 68], [64, 68, 60, 64], [3, 1, 5]])
+def test_keys_of_one_length_and_of_others_with_the_same_total(lens):
+    """The entries after the first are read at once when their keys are as long as its
+    key; keys of other lengths that add up to the same bytes are read one by one (and
+    found as written, never misread as keys of the first's length)."""
+    keys = [chr(ord("a") + i) * n for i, n in enumerate(lens)]
+    vals = [bytes([i]) * (4096 if i % 2 else 100) for i in range(len(lens))]
+    raw, want = _batch("t", keys, vals)
+    assert parse_batch_head(raw, "t") == want
+    assert _valid(raw, "t") == list(zip(keys, vals))
+
+
 @given(tenant=names, vals=values, before=st.binary(max_size=300), after=st.binary(max_size=64),
        cut=st.integers(1, 64))
 def test_a_head_parses_in_place_inside_a_larger_buffer(tenant, vals, before, after, cut):
