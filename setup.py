@@ -6,5 +6,7 @@ the install still succeeds and ems copies with torch instead.
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ems._native", ["src/ems/_native.c"], optional=True,
+setup(ext_modules=[Extension("ems._native", ["src/ems/_native.c", "src/ems/_native_avx2.c"],
+                             optional=True,
+                             depends=["src/ems/_checksums.h", "src/ems/xxhash.h"],
                              extra_compile_args=["-O3"])])

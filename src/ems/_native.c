@@ -20,12 +20,31 @@
  * (torch's gather + scatter would need two passes through a temporary, and a foreign
  * call per run costs ~2 us of Python).
  *
+ *   checksums(tenant, keys, seqs, values)   (a Python function, METH_FASTCALL)
+ *
+ * the disk records' checksums (ems.disk.records.checksum: XXH3-64 of the record's
+ * identity, its tenant and key, then its value) of a whole batch in one call, hashed
+ * with the GIL released: ~1.3 -> ~0.5 us a 4 KiB record (a scan verifies every record
+ * it finds), ~2.4 -> ~1.6 us a 16 KiB record of which ~0.1 with the GIL held (the
+ * daemon's writers share one interpreter with its loop). XXH3 is the xxHash library's
+ * own (src/ems/xxhash.h, v0.8.2, BSD 2-Clause, inlined), with AVX2 where the CPU has it
+ * (_checksums.h, _native_avx2.c).
+ *
  * When the module cannot be built (no compiler at install), ems falls back to torch
- * (V1) and ctypes.memmove (V0).
+ * (V1) and ctypes.memmove (V0), and to the xxhash package for checksums.
  */
+#define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#define EMS_CHECKSUMS ems_checksums_base
+#include "_checksums.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+void ems_checksums_avx2(const char *tenant, uint16_t tenant_len, const char *const *keys,
+                        const uint16_t *klens, const uint64_t *seqs, const void *const *vals,
+                        const uint64_t *vlens, int64_t n, uint64_t *out);
+#define EMS_HAVE_AVX2_BUILD 1
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #include <xmmintrin.h>
@@ -126,7 +145,101 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* checksums(tenant: bytes, keys: list[bytes], seqs: sequence of int, values: list of
+ * buffers) -> list[int]: each record's checksum (_checksums.h), hashed without the GIL. */
+static PyObject *py_checksums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyList_Check(args[1])
+            || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "checksums(tenant: bytes, keys: list, seqs, values: list)");
+        return NULL;
+    }
+    PyObject *tenant = args[0], *values = args[3];
+    /* a copy of the list of keys: the hashing reads them without the GIL */
+    PyObject *keys = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys), got = 0;
+    PyObject *seqs = PySequence_Fast(args[2], "checksums: seqs must be a sequence");
+    if (seqs == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    size_t m = n ? (size_t)n : 1;
+    Py_buffer *bufs = PyMem_Calloc(m, sizeof(Py_buffer));
+    const char **kp = PyMem_Malloc(m * sizeof(char *));
+    const void **vp = PyMem_Malloc(m * sizeof(void *));
+    uint16_t *kl = PyMem_Malloc(m * sizeof(uint16_t));
+    uint64_t *seq = PyMem_Malloc(m * sizeof(uint64_t));
+    uint64_t *vl = PyMem_Malloc(m * sizeof(uint64_t));
+    uint64_t *out = PyMem_Malloc(m * sizeof(uint64_t));
+    Py_ssize_t tl = PyBytes_GET_SIZE(tenant);
+    if (bufs == NULL || kp == NULL || vp == NULL || kl == NULL || seq == NULL || vl == NULL
+            || out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyList_GET_SIZE(values) != n || PySequence_Fast_GET_SIZE(seqs) != n) {
+        PyErr_SetString(PyExc_ValueError, "checksums: keys, seqs and values differ in length");
+        goto done;
+    }
+    if (tl > 0xFFFF) {
+        PyErr_SetString(PyExc_ValueError, "checksums: the tenant must be < 64 KiB");
+        goto done;
+    }
+    for (; got < n; got++) {
+        PyObject *k = PyList_GET_ITEM(keys, got);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) > 0xFFFF) {
+            PyErr_SetString(PyExc_TypeError, "checksums: keys must be bytes of < 64 KiB");
+            goto done;
+        }
+        kp[got] = PyBytes_AS_STRING(k);  /* (bytes: immutable, held by the copy) */
+        kl[got] = (uint16_t)PyBytes_GET_SIZE(k);
+        seq[got] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seqs, got));
+        if (seq[got] == (uint64_t)-1 && PyErr_Occurred())
+            goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(values, got), &bufs[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        vp[got] = bufs[got].buf;
+        vl[got] = (uint64_t)bufs[got].len;
+    }
+    const char *tb = PyBytes_AS_STRING(tenant);
+    Py_BEGIN_ALLOW_THREADS
+#ifdef EMS_HAVE_AVX2_BUILD
+    if (__builtin_cpu_supports("avx2"))
+        ems_checksums_avx2(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
+    else
+#endif
+        ems_checksums_base(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(out[i]);
+        if (v == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(kp);
+    PyMem_Free(vp);
+    PyMem_Free(kl);
+    PyMem_Free(seq);
+    PyMem_Free(vl);
+    PyMem_Free(out);
+    Py_DECREF(seqs);
+    Py_DECREF(keys);
+    return result;
+}
+
 static PyMethodDef ems_native_methods[] = {
+    {"checksums", (PyCFunction)(void (*)(void))py_checksums, METH_FASTCALL,
+     "checksums(tenant, keys, seqs, values): the disk records' XXH3-64 checksums."},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL,
      "copy(dst, src, n): copy n bytes from address src to address dst."},
     {NULL, NULL, 0, NULL},

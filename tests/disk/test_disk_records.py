@@ -14,7 +14,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 
-from ems.disk import recovery
+from ems.disk import records, recovery
 from ems.disk.io import LOCAL
 from ems.disk.records import (
     ALIGN,
@@ -167,6 +167,56 @@ def test_a_scan_finds_the_same_records_through_any_read_buffer(parts, read, wind
     for got in (whole, small):
         assert list(zip(got.keys, got.offsets, got.sizes, got.seqs)) == want
         assert got.damaged == 0
+
+
+@pytest.mark.parametrize("read", [512, 8 << 20])
+def test_a_scan_drops_the_one_record_whose_value_was_flipped(read):
+    """Records checked a head at a time (one call of ``checksums``; through a small
+    read buffer, in pieces as the buffer moves on): a bit flipped in one value drops
+    that record alone, counted damaged."""
+    keys = [f"k{i}" for i in range(6)]
+    vals = [bytes([i]) * (3000 + 700 * i) for i in range(6)]
+    raw, head = _batch("a", keys, vals)
+    bad = bytearray(raw)
+    bad[head.entries[3].offset + 100] ^= 0x10
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "r.region")
+        Path(path).write_bytes(bytes(bad))
+        with mock.patch.object(recovery, "SCAN_READ_BYTES", read):
+            got = recovery.scan_region(LOCAL, path, "a", 0)
+    assert got.keys == [k for i, k in enumerate(keys) if i != 3] and got.damaged == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+@settings(max_examples=40, deadline=None)
+@given(tenant=names, recs=st.lists(st.tuples(names, st.integers(0, 2**63), st.binary(
+    max_size=5000)), max_size=12))
+def test_a_batch_of_checksums_is_each_record_s_checksum(native, tenant, recs):
+    """``checksums`` (native where built, the xxhash package otherwise) gives every
+    record's :func:`checksum`."""
+    if native and records._batch_checksums is None:
+        pytest.skip("ems._native was not built")
+    tb = tenant.encode()
+    kbs = [k.encode() for k, _, _ in recs]
+    seqs = [seq for _, seq, _ in recs]
+    views = [memoryview(v) for _, _, v in recs]
+    want = [checksum(tb, kb, seq, v) for kb, seq, v in zip(kbs, seqs, views)]
+    with mock.patch.object(records, "_batch_checksums",
+                           records._batch_checksums if native else None):
+        assert records.checksums(tb, kbs, seqs, views) == want
+
+
+def test_the_native_checksums_refuse_what_they_cannot_hash():
+    fn = records._batch_checksums
+    if fn is None:
+        pytest.skip("ems._native was not built")
+    for args, error in [((b"t", ["k"], [1], [b"v"]), TypeError),
+                        ((b"t", [b"k"], [-1], [b"v"]), OverflowError),
+                        ((b"t", [b"k"], [1, 2], [b"v"]), ValueError),
+                        (("t", [b"k"], [1], [b"v"]), TypeError),
+                        ((b"t", [b"k" * 70000], [1], [b"v"]), TypeError)]:
+        with pytest.raises(error):
+            fn(*args)
 
 
 @given(tenant=names, key=names, seq=st.integers(0, 2**48 - 1), value=st.binary(max_size=600))

@@ -46,7 +46,8 @@ from ems.disk.records import (
     ALIGN,
     BATCH_FIXED_BYTES,
     Checkpoint,
-    checksum,
+    Entry,
+    checksums,
     decode_checkpoint,
     parse_batch_fixed,
     parse_batch_head,
@@ -148,6 +149,31 @@ class Scanned:
     #: end of the file
     damaged: int = 0
 
+    def check(self, tenant: bytes, found: list[Entry], ats: list[int],
+              values: list[memoryview]) -> None:
+        """Take the ``found`` records (their values at ``ats`` in the file) whose
+        ``values`` match their checksums, count the others damaged, and empty the three
+        lists. One call of :func:`checksums` for a head's records: a record saved alone
+        cost ~1.3 us of Python to check, ~0.5 in one native call (4 KiB)."""
+        if not found:
+            return
+        sums = checksums(tenant, [e.key.encode() for e in found], [e.seq for e in found],
+                         values)
+        for e, at, got in zip(found, ats, sums):
+            if got != e.xxh3:
+                self.damaged += 1
+                continue
+            self.keys.append(e.key)
+            self.offsets.append(at)
+            self.sizes.append(e.value_len)
+            self.seqs.append(e.seq)
+            self.checksums.append(e.xxh3)
+        for v in values:
+            v.release()
+        found.clear()
+        ats.clear()
+        values.clear()
+
 
 def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start``
@@ -157,8 +183,10 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
     Python's per record (a head, a checksum, five appends)."""
     out = Scanned()
     tb = tenant.encode()
-    keys, offsets, sizes = out.keys.append, out.offsets.append, out.sizes.append
-    seqs, checksums = out.seqs.append, out.checksums.append
+    found: list[Entry] = []  # records of the head being scanned, checked in one call
+    ats: list[int] = []
+    values: list[memoryview] = []
+    check = out.check
     space = bytearray(SCAN_READ_BYTES)
     fd = fs.open_file(path)
     try:
@@ -202,18 +230,14 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
                     out.damaged += 1
                     continue
                 if at + vlen > buf_end:  # the batch runs past the buffer
+                    check(tb, found, ats, values)  # (before the buffer changes)
                     buf.release()
                     buf, buf_at = fill(at, vlen), at
                     buf_end = at + len(buf)
-                if checksum(tb, e.key.encode(), e.seq,
-                            buf[at - buf_at:at - buf_at + vlen]) != e.xxh3:
-                    out.damaged += 1
-                    continue
-                keys(e.key)
-                offsets(at)
-                sizes(vlen)
-                seqs(e.seq)
-                checksums(e.xxh3)
+                found.append(e)
+                ats.append(at)
+                values.append(buf[at - buf_at:at - buf_at + vlen])
+            check(tb, found, ats, values)
             pos += head.span
     finally:
         fs.close(fd)

@@ -66,7 +66,7 @@ from ems.disk.records import (
     Checkpoint,
     CheckpointRegion,
     CheckpointTenant,
-    checksum,
+    checksums,
     encode_batch_head,
     encode_checkpoint,
     layout,
@@ -724,8 +724,7 @@ class DiskStore:
         in one ``pwritev``; then every record enters the index at once."""
         seqs = range(first_seq, first_seq + len(batch.indexes))
         try:
-            sums = [checksum(tb, kb, seq, view)
-                    for kb, seq, view in zip(batch.kbs, seqs, batch.views)]
+            sums = checksums(tb, batch.kbs, seqs, batch.views)
             head = encode_batch_head(tb, batch.kbs, seqs, batch.lens, sums, offsets, span)
             parts = [self._scratch.head(head, offsets[0])]
             at = offsets[0]
@@ -912,8 +911,9 @@ class DiskStore:
                 self._c.update(counts)
             return
         tb = tenant.encode()
-        good = [checksum(tb, targets[i][0].encode(), loc.seq, view) == loc.checksum
-                for i, loc, view in zip(run.indexes, run.locs, views)]  # (not locked)
+        sums = checksums(tb, [targets[i][0].encode() for i in run.indexes],  # (not locked)
+                         [loc.seq for loc in run.locs], views)
+        good = [s == loc.checksum for s, loc in zip(sums, run.locs)]
         damaged: list[str] = []
         with self._lock:
             for i, loc, ok in zip(run.indexes, run.locs, good):
