@@ -14,15 +14,14 @@ test hook ``io_delay_s`` (each call sleeps that long first) lives in exactly one
 
 Why ``O_DIRECT``: a spill of KV blocks is written once and read back maybe never; through
 the page cache it would evict the host's useful pages and cost a copy. A transfer at a
-file offset and of pieces whose lengths are multiples of
-:data:`~ems.disk.records.ALIGN` tries it (the daemon's arena is page aligned, objects
-are 64-byte aligned and usually 4 KiB multiples); the kernel refuses memory the device
-cannot take directly with ``EINVAL`` before it moves a byte, and that transfer goes on
-buffered. (Asking the kernel replaced an
-address check per buffer in Python, a ctypes object each: ~1 us of every 16 KiB value
-spilled, with the GIL held, on the 2-vCPU VM.) Any other offset, and a filesystem that
-refuses ``O_DIRECT`` at open (``EINVAL``: tmpfs before Linux 6.6, some FUSE), go
-buffered.
+file offset and of pieces whose lengths are multiples of :data:`~ems.disk.records.ALIGN`
+tries it (the daemon's arena is page aligned, objects are 64-byte aligned and usually 4
+KiB multiples); the kernel refuses memory the device cannot take directly with
+``EINVAL`` before it moves a byte, and that transfer goes on buffered. (Asking the
+kernel replaced an address check per buffer in Python, a ctypes object each: ~0.6 us of
+every 16 KiB value spilled, with the GIL held, on the 2-vCPU VM.) Any other offset, and
+a filesystem that refuses ``O_DIRECT`` at open (``EINVAL``: tmpfs before Linux 6.6,
+some FUSE), go buffered.
 Both descriptors of a file stay coherent: the kernel writes back and invalidates the
 page cache over the range of a direct transfer.
 
