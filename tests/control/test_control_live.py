@@ -266,3 +266,42 @@ def test_a_daemon_restarted_while_the_control_plane_is_down_serves_from_its_cach
     server.restart()
     wait_for(lambda: "mode 0644, not 0600" in server.log(), 5.0, "the refusal")
     assert not accepts(server, "team-c", key)
+
+
+def segment_mapped(server, access_id: str) -> bool:
+    """Whether the daemon maps ``access_id``'s shared memory (its memfd, by name)."""
+    with open(f"/proc/{server.pid}/maps") as f:
+        return any(f"/memfd:ems-pool-{access_id} " in line for line in f)
+
+
+def test_a_deleted_tenant_s_memory_leaves_the_disk_tier(control, daemons, tmp_path):
+    """The disk tier maps a tenant's memory to write it out; a deleted tenant's memory is
+    unmapped (so given back), not kept until the daemon stops, and its write-outs
+    still queued go with it."""
+    server = daemons.start(control, "host-m", extra=(
+        "--disk", str(tmp_path / "disk"), "--disk-capacity", "64M"))
+    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-m", "quota": "8M",
+                                                "issue_key": True})
+    key = t["key"]["access_key"]
+    wait_for(lambda: accepts(server, "team-m", key), 5.0, "the tenant")
+    live = connect(server, "team-m", key)
+    try:
+        assert save(live, storage([f"m{i}" for i in range(32)])) == 32
+        wait_for(lambda: server.stats()["disk"]["writes"] >= 32, 10.0, "the write-out")
+        assert segment_mapped(server, "team-m")
+    finally:
+        live.close()
+    assert control.call("DELETE", "/v1/tenants/team-m")[0] == 200
+    wait_for(lambda: tenant_row(server, "team-m") is None, 5.0, "the deletion")
+    wait_for(lambda: not segment_mapped(server, "team-m"), 5.0, "the memory unmapped")
+    # A tenant of the same name made again gets fresh memory and works.
+    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-m", "quota": "8M",
+                                                "issue_key": True})
+    key = t["key"]["access_key"]
+    wait_for(lambda: accepts(server, "team-m", key), 5.0, "the tenant again")
+    again = connect(server, "team-m", key)
+    try:
+        assert save(again, storage(["n0"])) == 1
+        assert transport_load(again, storage(["n0"]), SIZE)[0] == 1
+    finally:
+        again.close()

@@ -15,7 +15,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import pytest
 
-from ems.server.memory import SegmentMaps
+from ems.server.memory import SegmentGone, SegmentMaps
 from ems.server.tenants import Tenant, TenantSpec
 from ems.server.tier_driver import (
     HELD,
@@ -232,6 +232,66 @@ def test_write_out_waits_past_the_bound_and_is_dropped_past_the_queue(world):
     loop.run_until(lambda: driver.statistics().inflight_bytes == 0)
     st = driver.statistics()
     assert (st.writes, st.refused) == (2, {}) and tenant.pool.statistics().pinned == 0
+
+
+def _mapped(tenant: Tenant) -> int:
+    """Mappings of ``tenant``'s memfd in this process."""
+    name = f"/memfd:ems-pool-{tenant.name} "
+    with open("/proc/self/maps") as f:
+        return sum(name in line for line in f)
+
+
+def test_a_deleted_tenant_s_memory_is_unmapped_with_its_last_view():
+    tenant = Tenant(TenantSpec("gone", "k", 1 << 20), 60.0)
+    maps = SegmentMaps()
+    try:
+        out = maps.view(tenant, 0, 64)  # a write or read in flight
+        assert _mapped(tenant) == 1
+        maps.forget(tenant)
+        out[:3] = b"abc"  # still valid until released
+        assert _mapped(tenant) == 1
+        out.release()
+        assert _mapped(tenant) == 0
+        with pytest.raises(SegmentGone):  # never mapped again (its fd closes next)
+            maps.view(tenant, 0, 64)
+        maps.forget(tenant)  # twice: nothing more to do
+    finally:
+        maps.close()
+        tenant.close()
+
+
+def test_a_deleted_tenant_s_write_outs_end_and_its_queue_goes(world):
+    tenant, maps, loop, make = world
+
+    class Entered(DictEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered = threading.Event()
+
+        def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
+            self.entered.set()
+            return super().write(tenant, source, deadline)
+    engine = Entered()
+    engine.write_gate.clear()
+    driver = make(engine, inflight_bytes=SIZE, queue_bytes=4 * SIZE)
+    for key in ("a", "b", "c"):
+        _save(tenant, maps, key)
+    driver.stored(tenant, ["a", "b", "c"], [SIZE] * 3)
+    assert engine.entered.wait(10)  # "a" is being written, from its view
+    st = driver.statistics()
+    assert (st.inflight_bytes, st.queued_bytes) == (SIZE, 2 * SIZE)
+    driver.removed(tenant)
+    assert driver.statistics().queued_bytes == 0
+    engine.write_gate.set()  # the write in flight ends as usual, from intact memory
+    loop.run_until(lambda: driver.statistics().inflight_bytes == 0)
+    assert engine.values == {"a": _value("a")}
+    assert tenant.pool.statistics().pinned == 0
+    engine.values["z"] = _value("z")
+    done: list[bool] = []  # a fill that comes after: nowhere to read into, a miss
+    assert driver.fill(tenant, ["z"], None, None, lambda: done.append(True))
+    loop.run_until(lambda: bool(done))
+    assert (driver.statistics().hits, driver.statistics().misses) == (0, 1)
+    assert "z" not in tenant.pool.keys() and tenant.pool.statistics().reserved == 0
 
 
 def test_second_hit_admits_a_key_saved_again(world):

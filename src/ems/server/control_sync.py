@@ -321,7 +321,7 @@ class ControlSync:
                                           f"tenant {tenant.name!r} was deleted")
                 self.closed_sessions += n
                 registry.remove(tenant.spec.access_id)
-                tenant.close()
+                daemon.delete_tenant(tenant)
                 logger.info("ems-server: tenant %r deleted (%d session(s) closed)",
                             tenant.name, n)
         for access_id, (quota, keys) in plan.tenants.items():

@@ -278,6 +278,14 @@ class Daemon:
             self._fail(conn, EmsException(EmsErrorCode.EMS_AUTH_FAILED, why))
         return len(doomed)
 
+    def delete_tenant(self, tenant: Tenant) -> None:
+        """``tenant`` left the registry (the control plane deleted it; its sessions are
+        closed already): every tier lets go of its memory and its queued work
+        (``Tier.removed``), then its memory's descriptor is closed (on the loop)."""
+        for tier in self.tiers:
+            tier.removed(tenant)
+        tenant.close()
+
     def enable_request_timing(self, observe: Callable[[type, float], None]) -> None:
         """Time each request: ``observe(message class, seconds)`` after it (metrics);
         off unless called, so the loop pays nothing for it by default."""

@@ -82,7 +82,7 @@ from ems.disk.stats import LatencyWindow
 from ems.pool.core import Pin
 from ems.protocol.report import DaemonReport, TierRow, WireRow, hit_rate
 from ems.server.fetches import Fetch, FetchBook
-from ems.server.memory import SegmentMaps
+from ems.server.memory import SegmentGone, SegmentMaps
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.tenants import Tenant
 from ems.server.tiers import Extent, Loop, MetricFamily, Placed, Tier, TierCounters
@@ -524,6 +524,8 @@ class TierDriver(Tier):
                 outcomes = engine.read_batch(
                     tenant, [Target(reserved[i].key, v) for i, v in zip(indexes, views)],
                     engine_deadline)
+            except SegmentGone:  # the tenant was deleted meanwhile: nowhere to read into
+                outcomes = [ReadOutcome.MISS] * len(indexes)
             except Exception:  # noqa: BLE001 - a bug is a miss, never a stuck request
                 logger.exception("ems %s: a read failed", engine.name)
                 outcomes = [ReadOutcome.IO_ERROR] * len(indexes)
@@ -706,6 +708,26 @@ class TierDriver(Tier):
                 wake()
         self._write(tenant, keys, pins, deadline, written)
 
+    def removed(self, tenant: Tenant) -> None:
+        """``tenant`` was deleted (its sessions closed; on the loop, before its memory's
+        descriptor is closed): its write-outs still queued are dropped (the operator
+        deleted what they would write; not counted as unwritten), the saves waiting for
+        its writer are woken (their sessions are gone), and its memory is let go
+        (``SegmentMaps.forget``): unmapped now, or when the reads and writes in flight
+        end, each of which then completes as usual. A tenant of the same name made later
+        is new to the engine (:meth:`_meet`)."""
+        kept = collections.deque(p for p in self._queue if p.tenant is not tenant)
+        if len(kept) != len(self._queue):
+            self._queue = kept
+            self._queued_bytes = sum(p.size for p in kept)
+        self._queued_per_tenant.pop(tenant.name, None)
+        for gone in [k for k in self._skipped if k[0] == tenant.name]:
+            del self._skipped[gone]
+        self._met.discard(tenant.name)
+        for wake in self._waiters.pop(tenant.name, ()):
+            wake()
+        self._memory.forget(tenant)
+
     def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
         """Call ``then`` on the loop once one of ``tenant``'s write-outs has ended (its
         values unpinned and written: evictable without loss) or ``save_wait_s`` after
@@ -757,6 +779,8 @@ class TierDriver(Tier):
                 outcomes = engine.write_batch(
                     tenant, list(map(Target, keys, views)) if hashes is None else
                     list(map(Target, keys, views, hashes)), engine_deadline)
+            except SegmentGone:  # the tenant was deleted meanwhile, its saves with it
+                outcomes = [Written(False, "tenant_deleted")] * len(keys)
             except Exception:  # noqa: BLE001 - a bug is a write not done
                 logger.exception("ems %s: a write failed", engine.name)
                 outcomes = [Written(False, "io_error")] * len(keys)

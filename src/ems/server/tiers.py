@@ -22,6 +22,8 @@ an eviction     :meth:`Tier.evicted`                            nothing
 a save waits    :meth:`Tier.wait_written` (shared memory full   ``False``: evict
 for the writer  of objects not written out yet)                 one of them
 a session ends  :meth:`Tier.closed`                             nothing
+a tenant is     :meth:`Tier.removed` (deleted by the control     nothing
+deleted         plane: its memory and queued work let go)
 the report      :meth:`Tier.report`, :meth:`Tier.tenant_report` ``None``
 metrics         :meth:`Tier.metric_families` (its own families)  none
 stop            :meth:`Tier.close`                              nothing
@@ -166,6 +168,12 @@ class Tier:
 
     def closed(self, session: Session) -> None:
         """A session ended (its pins, reservations and lease are gone already)."""
+
+    def removed(self, tenant: Tenant) -> None:
+        """``tenant`` was deleted: its sessions are closed, and its memory's descriptor
+        is closed right after this returns (on the loop). Let go of every mapping of its
+        memory (``ems.server.memory.SegmentMaps.forget``) and of what is queued for it;
+        work in flight may end as usual (a mapping goes with its last view)."""
 
     def report(self) -> Optional[WireRow]:
         """The tier's part of the daemon's report (``DaemonReport.<name>``)."""
