@@ -241,6 +241,41 @@ def _mapped(tenant: Tenant) -> int:
         return sum(name in line for line in f)
 
 
+def _until(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < end, "never got there"
+        time.sleep(0.005)
+
+
+def _rss(tenant: Tenant) -> int:
+    """Bytes of ``tenant``'s memory in this process's page tables (its mappings' Rss)."""
+    name = f"/memfd:ems-pool-{tenant.name} "
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's first line
+                inside = name in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_mapping_is_populated_in_the_background():
+    tenant = Tenant(TenantSpec("fill", "k", 8 << 20), 60.0)
+    maps = SegmentMaps()
+    try:
+        maps.prepare(tenant)
+        _until(lambda: maps.populated_bytes == tenant.segment_size)
+        assert _mapped(tenant) == 1 and _rss(tenant) == tenant.segment_size
+        out = maps.view(tenant, 4096, 8)  # the same mapping
+        out.release()
+        assert _mapped(tenant) == 1
+    finally:
+        maps.close()
+        tenant.close()
+
+
 def test_a_deleted_tenant_s_memory_is_unmapped_with_its_last_view():
     tenant = Tenant(TenantSpec("gone", "k", 1 << 20), 60.0)
     maps = SegmentMaps()
@@ -250,8 +285,8 @@ def test_a_deleted_tenant_s_memory_is_unmapped_with_its_last_view():
         maps.forget(tenant)
         out[:3] = b"abc"  # still valid until released
         assert _mapped(tenant) == 1
-        out.release()
-        assert _mapped(tenant) == 0
+        out.release()  # (and the populating thread's chunk, if it was in one)
+        _until(lambda: _mapped(tenant) == 0)
         with pytest.raises(SegmentGone):  # never mapped again (its fd closes next)
             maps.view(tenant, 0, 64)
         maps.forget(tenant)  # twice: nothing more to do

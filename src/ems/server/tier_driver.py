@@ -405,6 +405,8 @@ class TierDriver(Tier):
         self._max_latency_s = 0.0
         self._warnings: dict[str, RateLimitedLog] = {}
         self._closed = False
+        for tenant in tenants():  # mapped and populated before their first request
+            self._memory.prepare(tenant)
 
     # ------------------------------------------------------------ plumbing
     def _usable(self) -> bool:
