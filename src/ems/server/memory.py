@@ -15,7 +15,7 @@ touches faults once, in the middle of a disk read or write (the kernel pins the 
 of an I/O one by one). A thread of its own fills them as soon as the mapping is made
 (``madvise(MADV_POPULATE_WRITE)`` in chunks, without the GIL), which the driver does
 for every tenant at its start: measured through ``ems-server --disk`` on a tmpfs (a
-device faster than the CPU), loads of 1 MiB values after a restart ran at 1.6-1.8 GB/s
+device faster than the CPU), loads of 1 MiB values after a restart ran at 1.6-2.0 GB/s
 over the first pass of 256 MiB of shared memory and ~3 GB/s after; with the mapping
 populated the first pass ran at ~3 GB/s too (the client maps with ``MAP_POPULATE`` for
 the same reason: ``ems.client.channel``). ``MAP_POPULATE`` itself is not used here: the
