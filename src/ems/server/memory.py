@@ -120,21 +120,24 @@ class SegmentMaps:
             self._gone.add(tenant.segment_id)
             entry = self._maps.pop(tenant.segment_id, None)
         if entry is not None:
-            mm, view = entry
-            view.release()
-            try:
-                mm.close()
-            except BufferError:  # views still out: unmapped when the last is released
-                pass
+            _unmap(entry)
 
     def close(self) -> None:
         """Unmap everything (after every view was released)."""
         with self._lock:
             self._closed = True
-            for mm, view in self._maps.values():
-                view.release()
-                try:
-                    mm.close()
-                except BufferError:  # a view still exported (a bug elsewhere): leave it
-                    pass
+            for entry in self._maps.values():
+                _unmap(entry)
             self._maps.clear()
+
+
+def _unmap(entry: tuple[mmap.mmap, memoryview]) -> None:
+    """Release a map's own view and close it; with views still out (a read or write in
+    flight, or the populating thread's chunk) it is unmapped when the last is released
+    and Python frees it."""
+    mm, view = entry
+    view.release()
+    try:
+        mm.close()
+    except BufferError:
+        pass
