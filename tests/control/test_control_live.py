@@ -53,6 +53,18 @@ def accepts(server, access_id: str, key: str) -> bool:
         return False
 
 
+def new_tenant(control, servers, access_id: str, quota: str, what: str = "the tenant"
+               ) -> str:
+    """Create ``access_id`` over REST with a key; its access key, once every one of
+    ``servers`` accepts it."""
+    _, t = control.call("POST", "/v1/tenants", {"access_id": access_id, "quota": quota,
+                                                "issue_key": True})
+    key = t["key"]["access_key"]
+    for server in servers:
+        wait_for(lambda s=server: accepts(s, access_id, key), 5.0, what)
+    return key
+
+
 def save(t: RemoteTransport, keys: list, size: int = SIZE) -> int:
     """Through the transport's verb, as ContextCaching saves."""
     return transport_save(t, keys, size)
@@ -142,11 +154,7 @@ def test_a_revoked_key_is_refused_on_both_within_5_s_and_its_sessions_close(two)
 
 def test_a_deleted_tenant_is_closed_and_refused_on_both(two):
     control, hosts = two
-    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-d", "quota": "8M",
-                                                "issue_key": True})
-    key = t["key"]["access_key"]
-    for server in hosts:
-        wait_for(lambda s=server: accepts(s, "team-d", key), 5.0, "the tenant")
+    key = new_tenant(control, hosts, "team-d", "8M")
     live = connect(hosts[0], "team-d", key)
     try:
         assert control.call("DELETE", "/v1/tenants/team-d")[0] == 200
@@ -161,11 +169,7 @@ def test_a_deleted_tenant_is_closed_and_refused_on_both(two):
 
 def test_a_quota_change_applies_live_without_dropping_cached_data(two):
     control, hosts = two
-    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-q", "quota": "16M",
-                                                "issue_key": True})
-    key = t["key"]["access_key"]
-    for server in hosts:
-        wait_for(lambda s=server: accepts(s, "team-q", key), 5.0, "the tenant")
+    key = new_tenant(control, hosts, "team-q", "16M")
     sessions = [connect(s, "team-q", key) for s in hosts]
     try:
         keys = storage([f"q{i}" for i in range(64)])  # 4 MiB
@@ -248,10 +252,7 @@ def test_a_daemon_restarted_while_the_control_plane_is_down_serves_from_its_cach
         control, daemons, tmp_path):
     cache = str(tmp_path / "registry.cache")
     server = daemons.start(control, "cached", extra=("--control-cache", cache))
-    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-c", "quota": "8M",
-                                                "issue_key": True})
-    key = t["key"]["access_key"]
-    wait_for(lambda: accepts(server, "team-c", key), 5.0, "the tenant")
+    key = new_tenant(control, [server], "team-c", "8M")
     wait_for(lambda: os.path.exists(cache), 2.0, "the cache")
     assert os.stat(cache).st_mode & 0o777 == 0o600
     with open(cache, "rb") as f:
@@ -280,10 +281,7 @@ def test_a_deleted_tenant_s_memory_leaves_the_disk_tier(control, daemons, tmp_pa
     still queued go with it."""
     server = daemons.start(control, "host-m", extra=(
         "--disk", str(tmp_path / "disk"), "--disk-capacity", "64M"))
-    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-m", "quota": "8M",
-                                                "issue_key": True})
-    key = t["key"]["access_key"]
-    wait_for(lambda: accepts(server, "team-m", key), 5.0, "the tenant")
+    key = new_tenant(control, [server], "team-m", "8M")
     live = connect(server, "team-m", key)
     try:
         assert save(live, storage([f"m{i}" for i in range(32)])) == 32
@@ -295,10 +293,7 @@ def test_a_deleted_tenant_s_memory_leaves_the_disk_tier(control, daemons, tmp_pa
     wait_for(lambda: tenant_row(server, "team-m") is None, 5.0, "the deletion")
     wait_for(lambda: not segment_mapped(server, "team-m"), 5.0, "the memory unmapped")
     # A tenant of the same name made again gets fresh memory and works.
-    _, t = control.call("POST", "/v1/tenants", {"access_id": "team-m", "quota": "8M",
-                                                "issue_key": True})
-    key = t["key"]["access_key"]
-    wait_for(lambda: accepts(server, "team-m", key), 5.0, "the tenant again")
+    key = new_tenant(control, [server], "team-m", "8M", "the tenant again")
     again = connect(server, "team-m", key)
     try:
         assert save(again, storage(["n0"])) == 1
