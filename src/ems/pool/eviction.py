@@ -4,7 +4,7 @@ A policy only tracks *evictable* keys (committed, unpinned); the pool removes a 
 from the policy while it is pinned or reserved, so :meth:`victim` is O(1) and never
 returns something a reader is copying.
 
-Written objects first. A key can be marked *unwritten* (:meth:`LruPolicy.mark`): a
+Written objects first. A key can be marked *unwritten* (:meth:`LruPolicy.mark_all`): a
 tier behind shared memory (the disk) has been asked to write it and has not yet. Such
 a key is evicted only when no written one is evictable: evicting a written object
 loses nothing (a later load finds it on the disk), evicting an unwritten one loses
@@ -18,10 +18,9 @@ daemon lets wait for its writer (``ems.server.handlers``; measured in
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections import OrderedDict
-from typing import Hashable, Optional
+from typing import Hashable, Iterable, Optional
 
 __all__ = ["LruPolicy"]
 
@@ -34,7 +33,7 @@ class LruPolicy:
         self._unwritten: OrderedDict[Hashable, None] = OrderedDict()
         #: keys marked unwritten, with how many writers wait for each (in the policy
         #: or not: a key being written is pinned, hence out of both orders)
-        self._marks: collections.Counter[Hashable] = collections.Counter()
+        self._marks: dict[Hashable, int] = {}
         #: True: unwritten keys are not evictable now (a save that may wait for the
         #: writer instead: ``Pool.reserve(spare_unwritten=True)``)
         self.spare = False
@@ -58,20 +57,29 @@ class LruPolicy:
         if self._order.pop(key, 0) == 0:
             self._unwritten.pop(key, None)
 
-    def mark(self, key: Hashable, unwritten: bool) -> None:
-        """One more (``unwritten``) or one fewer writer waits for ``key``; it moves
-        between the orders when the first comes or the last is done."""
-        marks = self._marks
+    def mark_all(self, keys: Iterable[Hashable], unwritten: bool) -> None:
+        """One more (``unwritten``) or one fewer writer waits for each of ``keys``; a
+        key moves between the orders when its first comes or its last is done (a key
+        not marked is left as it is). One call a batch, the marks counted in a plain
+        dict: a write-out marks and unmarks each value of a save once (measured on the
+        2-vCPU VM, per value: 1.7 us both ways through a method call each and a
+        ``Counter``, whose ``__delitem__`` is Python)."""
+        marks, order, unwritten_order = self._marks, self._order, self._unwritten
         if unwritten:
-            marks[key] += 1
-            if marks[key] == 1 and self._order.pop(key, 0) is None:
-                self._unwritten[key] = None
-        elif key in marks:
-            marks[key] -= 1
-            if marks[key] <= 0:
+            for key in keys:
+                n = marks.get(key, 0)
+                marks[key] = n + 1
+                if not n and order.pop(key, 0) is None:
+                    unwritten_order[key] = None
+            return
+        for key in keys:
+            n = marks.get(key, 0)
+            if n > 1:
+                marks[key] = n - 1
+            elif n:
                 del marks[key]
-                if self._unwritten.pop(key, 0) is None:
-                    self._order[key] = None
+                if unwritten_order.pop(key, 0) is None:
+                    order[key] = None
 
     def forget(self, key: Hashable) -> None:
         """``key`` left the index (evicted or deleted, so out of the orders already):

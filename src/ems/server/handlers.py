@@ -34,6 +34,7 @@ lease: small saves then take reserve/commit). Each refusal is counted in ``refus
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -59,6 +60,9 @@ def lease_bytes(capacity_bytes: int) -> int:
 #: rest is for the reply and the client's copy.
 BUDGET_SHARE = 0.8
 _NEW, _FULL = GrantStatus.NEW, GrantStatus.FULL
+#: a named tuple (a Reservation per key of a save) made without its ``__new__``'s call:
+#: see ``ems.pool.core._new``
+_new = tuple.__new__
 
 #: requests whose field of this name is a list of keys (or of tokens / ranges) to
 #: bound, as its position (from the message's one definition)
@@ -258,15 +262,15 @@ class Handlers:
                  write_rcache: bool, hashes: Optional[list[int]], write_out: bool) -> None:
         if self._track:
             mine = session.reservations
-            for i, (key, g) in enumerate(zip(keys, grants)):
-                if g.status is _NEW:
-                    mine[g.token] = Reservation(key, g.offset, g.size, write_rcache,
-                                                None if hashes is None else hashes[i],
-                                                write_out)
-        self._reply(session, m.Granted.wire(rid=rid, statuses=[int(g.status) for g in grants],
-                                            tokens=[g.token for g in grants],
-                                            offsets=[g.offset for g in grants],
-                                            sizes=[g.size for g in grants]))
+            for key, g, h in zip(keys, grants, itertools.repeat(None) if hashes is None
+                                 else hashes):
+                if g.status is _NEW:  # (all fields: ``_new`` takes no defaults)
+                    mine[g.token] = _new(Reservation, (key, g.offset, g.size, write_rcache,
+                                                       h, write_out))
+        statuses, tokens, offsets, sizes = zip(*grants) if grants else ((), (), (), ())
+        self._reply(session, m.Granted.wire(rid=rid, statuses=list(map(int, statuses)),
+                                            tokens=list(tokens), offsets=list(offsets),
+                                            sizes=list(sizes)))
 
     def _on_commit(self, session: Session, pool: Pool, rid: int, tokens: list[int],
                    budget_ms: int) -> None:
@@ -277,17 +281,27 @@ class Handlers:
         entries = [mine.pop(t, None) for t in tokens]
         through = [i for i, e in enumerate(entries)
                    if e is not None and not e.write_rcache] if self._through else []
-        sent = set(through)
-        local = [i for i in range(len(tokens)) if i not in sent]
-        ok = [False] * len(tokens)
-        for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id)):
-            ok[i] = good
-        new = [e for i in local if ok[i] and (e := entries[i]) is not None]
-        for out in (True, False):  # (one save has one write_out: one call)
-            part = [e for e in new if e.write_out is out]
-            if part:
-                self._stored(session.tenant, [e.key for e in part],  # type: ignore[arg-type]
-                             [e.size for e in part], [e.hash for e in part], out)
+        if through:
+            sent = set(through)
+            local = [i for i in range(len(tokens)) if i not in sent]
+            ok = [False] * len(tokens)
+            for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id)):
+                ok[i] = good
+            new = [e for i in local if ok[i] and (e := entries[i]) is not None]
+        else:  # (every save without a tier that takes saves through: columns whole)
+            ok = pool.commit(tokens, session.id)
+            new = [e for e in itertools.compress(entries, ok) if e is not None]
+        if new:
+            keys, _, sizes, _, hashes, outs = zip(*new)
+            if len(set(outs)) == 1:  # (one save has one write_out: one call)
+                self._stored(session.tenant, keys, sizes, hashes,  # type: ignore[arg-type]
+                             outs[0])
+            else:  # saves of both kinds committed together
+                for out in (True, False):
+                    part = [e for e in new if e.write_out is out]
+                    self._stored(session.tenant,  # type: ignore[arg-type]
+                                 [e.key for e in part], [e.size for e in part],
+                                 [e.hash for e in part], out)
         if not through:
             self._reply(session, m.Committed.wire(rid=rid, ok=ok))
             return

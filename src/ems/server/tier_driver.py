@@ -62,6 +62,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -91,6 +92,8 @@ __all__ = ["HELD", "Admission", "AdmitAll", "DriverSettings", "DriverStatistics"
            "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
 
 _Row = TypeVar("_Row", bound=TierRow)
+#: a named tuple made without its ``__new__``'s call (``ems.pool.core._new``)
+_new = tuple.__new__
 
 logger = logging.getLogger(__name__)
 
@@ -778,9 +781,10 @@ class TierDriver(Tier):
             try:
                 view = self._memory.view
                 views = [view(tenant, e.offset, e.size) for e in extents]
-                outcomes = engine.write_batch(
-                    tenant, list(map(Target, keys, views)) if hashes is None else
-                    list(map(Target, keys, views, hashes)), engine_deadline)
+                outcomes = engine.write_batch(tenant, [  # (``_new``: a Target per value)
+                    _new(Target, t) for t in zip(keys, views, itertools.repeat(None)
+                                                 if hashes is None else hashes)],
+                    engine_deadline)
             except SegmentGone:  # the tenant was deleted meanwhile, its saves with it
                 outcomes = [Written(False, "tenant_deleted")] * len(keys)
             except Exception:  # noqa: BLE001 - a bug is a write not done
