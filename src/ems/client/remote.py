@@ -106,6 +106,10 @@ LOAD_WINDOW = 2
 _TTL_SHARE = 0.8
 _NEW = GrantStatus.NEW
 _STATUSES = {int(g): g for g in GrantStatus}
+#: the slot of a key granted without a place (immutable: one per status serves all)
+_SLOTS = {g: Slot(g) for g in GrantStatus}
+#: a named tuple made from all its fields without its ``__new__``'s call
+_new = tuple.__new__
 #: The hot requests go out in their wire form, built by name (``Cls.wire``): no object.
 _put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
 
@@ -478,17 +482,23 @@ class RemoteTransport(Transport):
             if type(reply) is m.Granted:
                 self._undo_granted(session, reply)
             raise bad_reply(f"{type(reply).__name__} for a Reserve of {len(sizes)} keys")
-        slots = []
         segment = session.segment
         tokens, offsets, got = reply.tokens, reply.offsets, reply.sizes
         try:
-            for i, status_value in enumerate(reply.statuses):
-                status = _STATUSES[status_value]  # (an enum call per key cost ~0.4 us)
-                if status is _NEW:
-                    self._check_range(session, offsets[i], got[i], sizes[i])
-                    slots.append(Slot(status, tokens[i], segment, offsets[i], got[i]))
-                else:
-                    slots.append(Slot(status))
+            # (a dict, not an enum call per key: ~0.4 us each)
+            statuses = [_STATUSES[value] for value in reply.statuses]
+            # Every place of the expected size and inside the segment: checked for the
+            # whole batch at C speed when every key is NEW (a save of new blocks); else,
+            # or when that fails, key by key to name the first bad one.
+            if segment is None or got != sizes or (
+                    offsets and max(map(operator.add, offsets, got)) > segment.size):
+                for status, offset, size, want in zip(statuses, offsets, got, sizes):
+                    if status is _NEW:
+                        self._check_range(session, offset, size, want)
+            # (named tuples through tuple.__new__: ~0.4 -> ~0.15 us a key)
+            slots = [_new(Slot, (status, token, segment, offset, size)) if status is _NEW
+                     else _SLOTS[status]
+                     for status, token, offset, size in zip(statuses, tokens, offsets, got)]
         except (KeyError, EmsException) as exc:
             self._undo_granted(session, reply)
             if isinstance(exc, EmsException):
