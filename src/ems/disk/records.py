@@ -287,7 +287,7 @@ def _rows(key_len: int) -> struct.Struct:
 
 #: a named tuple made from a tuple of its fields without the call of its ``__new__``
 #: (a Python function): ~0.4 -> ~0.15 us a :class:`BatchHead` (2-vCPU VM), one a head
-_tuple_new = tuple.__new__
+_new = tuple.__new__
 
 #: an entry of a head as read: offset, sequence number, value length, checksum, key
 #: length, the key's bytes
@@ -333,8 +333,8 @@ def parse_batch_head(block: Buffer, tenant: str, at: int = 0) -> Optional[BatchH
             key = str(view[pos:end], "utf-8")
         except UnicodeDecodeError:
             return None
-        return _tuple_new(BatchHead, (tenant, span, head_len, (key,), (seq,), (vlen,), (xxh,),
-                                      (off,)))
+        return _new(BatchHead, (tenant, span, head_len, (key,), (seq,), (vlen,), (xxh,),
+                                (off,)))
     if pos + kl > end:
         return None
     first: _Row = (off, seq, vlen, xxh, kl, bytes(view[pos:pos + kl]))
@@ -375,7 +375,7 @@ def _columns(rows: list[_Row], tenant: str, span: int, head_len: int, tl: int, *
         keys = tuple(map(bytes.decode, kbs))
     except UnicodeDecodeError:
         return None
-    return _tuple_new(BatchHead, (tenant, span, head_len, keys, seqs, vlens, xxhs, offs))
+    return _new(BatchHead, (tenant, span, head_len, keys, seqs, vlens, xxhs, offs))
 
 
 def _rows_apart(view: memoryview, pos: int, end: int, count: int, rows: list[_Row]) -> int:

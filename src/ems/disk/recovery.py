@@ -149,7 +149,7 @@ class Scanned:
     #: end of the file
     damaged: int = 0
 
-    def check(self, tenant: bytes, found: "_Found") -> None:
+    def check(self, tenant: bytes, found: _Found) -> None:
         """Take the records ``found`` holds whose values match their checksums, count
         the others damaged, and empty it. One call of :func:`checksums` for the records
         of a whole read buffer, and the columns extended whole where every one matches
