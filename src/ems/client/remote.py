@@ -487,14 +487,9 @@ class RemoteTransport(Transport):
         try:
             # (a dict, not an enum call per key: ~0.4 us each)
             statuses = [_STATUSES[value] for value in reply.statuses]
-            # Every place of the expected size and inside the segment: checked for the
-            # whole batch at C speed when every key is NEW (a save of new blocks); else,
-            # or when that fails, key by key to name the first bad one.
-            if segment is None or got != sizes or (
-                    offsets and max(map(operator.add, offsets, got)) > segment.size):
-                for status, offset, size, want in zip(statuses, offsets, got, sizes):
-                    if status is _NEW:
-                        self._check_range(session, offset, size, want)
+            # (at C speed when every key is NEW, a save of new blocks; else key by key)
+            self._check_ranges(session, offsets, got, sizes,
+                               [status is _NEW for status in statuses])
             # (named tuples through tuple.__new__: ~0.4 -> ~0.15 us a key)
             slots = [_new(Slot, (status, token, segment, offset, size)) if status is _NEW
                      else _SLOTS[status]
@@ -598,15 +593,8 @@ class RemoteTransport(Transport):
             self._post_list(session, reply.tokens, m.Release)
             raise bad_reply(f"{len(reply.tokens)} pins for an Acquire of {len(sizes)} keys")
         try:
-            # Every pin of the expected size and inside the segment: checked for the
-            # whole batch at C speed (24 pins: ~5.4 -> ~2.5 us); a failing batch is walked
-            # pin by pin to name the first bad one.
-            seg = session.segment
-            got, offsets = list(reply.sizes), reply.offsets
-            if seg is None or got != sizes[:len(got)] or (
-                    offsets and max(map(operator.add, offsets, got)) > seg.size):
-                for offset, size, want in zip(offsets, got, sizes):
-                    self._check_range(session, offset, size, want)
+            got = list(reply.sizes)
+            self._check_ranges(session, reply.offsets, got, sizes[:len(got)])
         except EmsException:
             self._post_list(session, reply.tokens, m.Release)
             raise
@@ -659,6 +647,21 @@ class RemoteTransport(Transport):
                 session.segment.retire()
 
     # ------------------------------------------------------------ internals
+    @classmethod
+    def _check_ranges(cls, session: Session, offsets: list[int], sizes: list[int],
+                      expected: list[int], which: Optional[list[bool]] = None) -> None:
+        """:meth:`_check_range` of every range (of those ``which`` marks, where given):
+        for the whole batch at C speed (24 pins: ~5.4 -> ~2.5 us; 2,048 grants with
+        their slots ~0.9 -> ~0.4 us a key), then, only when that fails, range by range
+        to name the first bad one."""
+        seg = session.segment
+        if seg is not None and sizes == expected and (
+                not offsets or max(map(operator.add, offsets, sizes)) <= seg.size):
+            return
+        for i, (offset, size, want) in enumerate(zip(offsets, sizes, expected)):
+            if which is None or which[i]:
+                cls._check_range(session, offset, size, want)
+
     @staticmethod
     def _check_range(session: Session, offset: int, size: int, expected: int) -> None:
         seg = session.segment
