@@ -14,6 +14,7 @@ import time
 from typing import Callable, ClassVar, Optional, Sequence
 
 import pytest
+from support.itest_support import wait_for
 
 from ems.server.memory import SegmentGone, SegmentMaps
 from ems.server.tenants import Tenant, TenantSpec
@@ -241,13 +242,6 @@ def _mapped(tenant: Tenant) -> int:
         return sum(name in line for line in f)
 
 
-def _until(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < end, "never got there"
-        time.sleep(0.005)
-
-
 def _rss(tenant: Tenant) -> int:
     """Bytes of ``tenant``'s memory in this process's page tables (its mappings' Rss)."""
     name = f"/memfd:ems-pool-{tenant.name} "
@@ -266,7 +260,7 @@ def test_a_mapping_is_populated_in_the_background():
     maps = SegmentMaps()
     try:
         maps.prepare(tenant)
-        _until(lambda: maps.populated_bytes == tenant.segment_size)
+        wait_for(lambda: maps.populated_bytes == tenant.segment_size, 10.0, "populated")
         assert _mapped(tenant) == 1 and _rss(tenant) == tenant.segment_size
         out = maps.view(tenant, 4096, 8)  # the same mapping
         out.release()
@@ -286,7 +280,7 @@ def test_a_deleted_tenant_s_memory_is_unmapped_with_its_last_view():
         out[:3] = b"abc"  # still valid until released
         assert _mapped(tenant) == 1
         out.release()  # (and the populating thread's chunk, if it was in one)
-        _until(lambda: _mapped(tenant) == 0)
+        wait_for(lambda: _mapped(tenant) == 0, 10.0, "the mapping gone")
         with pytest.raises(SegmentGone):  # never mapped again (its fd closes next)
             maps.view(tenant, 0, 64)
         maps.forget(tenant)  # twice: nothing more to do
