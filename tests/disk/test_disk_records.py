@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import tempfile
+import zlib
 from array import array
 from pathlib import Path
 from unittest import mock
@@ -18,6 +19,8 @@ from ems.disk import records, recovery
 from ems.disk.io import LOCAL
 from ems.disk.records import (
     ALIGN,
+    BATCH_FIXED_BYTES,
+    ENTRY_FIXED_BYTES,
     MAX_NAME_BYTES,
     BatchHead,
     Checkpoint,
@@ -217,6 +220,163 @@ def test_the_native_checksums_refuse_what_they_cannot_hash():
                         ((b"t", [b"k" * 70000], [1], [b"v"]), TypeError)]:
         with pytest.raises(error):
             fn(*args)
+
+
+#: the fields of a head a forgery changes: (struct format, offset in the fixed part, or
+#: in an entry when the name starts with "entry")
+_FIELDS = {"magic": ("<I", 0), "version": ("<H", 4), "flags": ("<H", 6), "count": ("<I", 12),
+           "head_len": ("<I", 16), "span": ("<Q", 20), "tl": ("<H", 28),
+           "entry.offset": ("<I", 0), "entry.seq": ("<Q", 4), "entry.vlen": ("<Q", 12),
+           "entry.kl": ("<H", 28)}
+
+
+def _forged(raw: bytes, head: BatchHead, forge: list[tuple[str, int, int]]) -> bytes:
+    """``raw`` (a batch of ``head``) with fields changed and the head's CRC made to
+    match again: a head whose fields, not its CRC, are wrong (as a bug could write
+    one). ``forge``: (field, entry index, change); "byte" sets a byte of the head,
+    "key" a byte of an entry's key (to a byte the change picks: UTF-8 or not)."""
+    bad = bytearray(raw)
+    tl = len(head.tenant.encode())
+    for name, i, change in forge:
+        i %= len(head.keys)
+        entry = 30 + tl + sum(30 + len(k.encode()) for k in head.keys[:i])
+        if name == "byte":
+            bad[i * 97 % head.head_len] = change % 256
+        elif name == "key":
+            kl = len(head.keys[i].encode())
+            if kl:
+                bad[entry + 30 + change % kl] = (0x80, 0xC3, 0xED, 0xFF)[change % 4]
+        else:
+            fmt, at = _FIELDS[name]
+            at += entry if name.startswith("entry") else 0
+            was = struct.unpack_from(fmt, bad, at)[0]
+            # (an even change moves a span, an offset or a length by whole blocks)
+            scale = (ALIGN if change % 2 == 0 and name in ("span", "entry.vlen") else
+                     8 if name == "entry.offset" else 1)
+            struct.pack_into(fmt, bad, at, max(0, was + change * scale)
+                             % (1 << 8 * struct.calcsize(fmt)))
+    head_len = struct.unpack_from("<I", bad, 16)[0]
+    bad[8:12] = b"\0" * 4
+    struct.pack_into("<I", bad, 8, zlib.crc32(bytes(bad[:min(head_len, len(bad))])))
+    return bytes(bad)
+
+
+@pytest.mark.skipif(recovery._scan_batches is None, reason="ems._native was not built")
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.one_of(
+    st.tuples(st.sampled_from(["a", "b", "ä"]),
+              st.lists(st.tuples(st.text(max_size=6), st.integers(0, 9000)), min_size=1,
+                       max_size=6),
+              st.lists(st.tuples(st.sampled_from(["byte", "key", *_FIELDS]),
+                                 st.integers(0, 5), st.integers(-3, 3)), max_size=2),
+              st.booleans()),
+    st.integers(1, 2)), min_size=1, max_size=6),
+    read=st.sampled_from([512, 3 * ALIGN, 8 << 20]), window=st.sampled_from([64, ALIGN]))
+def test_the_native_scan_step_takes_what_the_python_step_takes(parts, read, window):
+    """``ems._native.scan_batches`` (the scan's step over the whole batches of its
+    buffer) against the Python step (:func:`parse_batch_head`, a head at a time):
+    batches of tenants ``a``, ``b`` and ``ä``, some with head fields forged under a
+    matching CRC (counts, lengths, offsets, names, keys not UTF-8), some with a value
+    flipped, and garbage, through read buffers and head windows of any size: the same
+    records, offsets, sizes, seqs, checksums and damaged count."""
+    raw = bytearray()
+    seq = 1
+    for part in parts:
+        if isinstance(part, int):
+            raw += bytes([0x5A]) * (part * ALIGN)
+            continue
+        tenant, recs, forge, flip = part
+        keys = [f"{k}{seq + i}" for i, (k, _) in enumerate(recs)]
+        vals = [bytes([(seq + i) % 251]) * n for i, (_, n) in enumerate(recs)]
+        batch, head = _batch(tenant, keys, vals, seq)
+        if forge:
+            batch = _forged(batch, head, forge)
+        if flip and head.value_lens[-1]:
+            bad = bytearray(batch)
+            bad[head.offsets[-1]] ^= 1
+            batch = bytes(bad)
+        raw += batch
+        seq += len(recs)
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "r.region")
+        Path(path).write_bytes(raw)
+        for tenant in ("a", "ä"):
+            got = []
+            for native in (recovery._scan_batches, None):
+                with mock.patch.object(recovery, "_scan_batches", native), \
+                        mock.patch.object(recovery, "SCAN_READ_BYTES", read), \
+                        mock.patch.object(recovery, "HEAD_WINDOW", window):
+                    got.append(recovery.scan_region(LOCAL, path, tenant, 0))
+            assert got[0] == got[1]
+
+
+def _both_steps(raw: bytes, tenant: str) -> list[recovery.Scanned]:
+    """``raw`` scanned for ``tenant`` with the native step and without it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "r.region")
+        Path(path).write_bytes(raw)
+        got = []
+        for native in (recovery._scan_batches, None):
+            with mock.patch.object(recovery, "_scan_batches", native):
+                got.append(recovery.scan_region(LOCAL, path, tenant, 0))
+    return got
+
+
+@pytest.mark.skipif(recovery._scan_batches is None, reason="ems._native was not built")
+def test_every_forged_field_is_judged_alike_by_both_steps():
+    """Each field of a head of three records (and a key byte, and a byte anywhere in
+    the head) changed by -3..3 under a matching CRC, a valid batch after it: the
+    native step takes what the Python step takes, and the same records of the next
+    batch."""
+    keys, vals = ["k1", "kk2", "k3"], [b"x" * 100, b"y" * 4096, b"z" * 300]
+    batch, head = _batch("a", keys, vals)
+    after, _ = _batch("a", ["n1"], [b"n" * 50], 9)
+    for name in ["byte", "key", *_FIELDS]:
+        for i in range(len(keys)):
+            for change in range(-3, 4):
+                raw = _forged(batch, head, [(name, i, change)]) + after
+                native, python = _both_steps(raw, "a")
+                assert native == python, (name, i, change)
+
+
+@pytest.mark.skipif(recovery._scan_batches is None, reason="ems._native was not built")
+@pytest.mark.parametrize("tenant", ["a", "ä"])
+def test_the_native_scan_step_keeps_the_name_limit(tenant):
+    """Heads whose tenant + key are :data:`MAX_NAME_BYTES` long, and one byte longer
+    (only a hand-made head has one: ``layout`` refuses it): the first taken, the
+    second not, by both steps."""
+    tb = tenant.encode()
+    raw = bytearray()
+    for extra, seq in ((0, 1), (1, 2)):
+        kb = b"k" * (MAX_NAME_BYTES - len(tb) + extra)
+        value = bytes([seq]) * 100
+        head_len = BATCH_FIXED_BYTES + len(tb) + ENTRY_FIXED_BYTES + len(kb)
+        off = -(-head_len // 8) * 8
+        span = -(-(off + len(value)) // ALIGN) * ALIGN
+        xxh = checksum(tb, kb, seq, value)
+        batch = bytearray(span)
+        head = encode_batch_head(tb, [kb], [seq], [len(value)], [xxh], [off], span)
+        batch[:len(head)] = head
+        batch[off:off + len(value)] = value
+        raw += batch
+    native, python = _both_steps(bytes(raw), tenant)
+    assert native == python and native.seqs == [1]
+
+
+def test_the_native_scan_step_refuses_what_it_cannot_scan():
+    fn = recovery._scan_batches
+    if fn is None:
+        pytest.skip("ems._native was not built")
+    cols: list[list] = [[], [], [], [], []]
+    for args, error in [((b"", 0, 64, "t", 0, *cols), TypeError),
+                        ((b"", 0, 64, b"t", 0, *cols[:4], ()), TypeError),
+                        ((b"", -1, 64, b"t", 0, *cols), ValueError),
+                        ((b"", 0, 8, b"t", 0, *cols), ValueError),
+                        ((b"", 0, 64, b"t" * 70000, 0, *cols), ValueError),
+                        ((b"", 0, 64, b"t", -1, *cols), OverflowError)]:
+        with pytest.raises(error):
+            fn(*args)
+    assert fn(b"", 0, 64, b"t", 0, *cols) == (0, 0) and cols == [[], [], [], [], []]
 
 
 @given(tenant=names, key=names, seq=st.integers(0, 2**48 - 1), value=st.binary(max_size=600))

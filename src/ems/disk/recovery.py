@@ -35,10 +35,11 @@ under that key and pass their checksum; ems keys name their content).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 from ems.disk.index import DiskIndex
 from ems.disk.io import LOCAL, FileSystem, read_file
@@ -68,6 +69,31 @@ SCAN_READ_BYTES = 8 << 20
 #: longer head is read again whole: a full 4 MiB write buffer of 16 KiB values has a
 #: head of ~25 KiB)
 HEAD_WINDOW = 64 << 10
+
+
+class _ScanBatches(Protocol):
+    """``ems._native.scan_batches`` (``src/ems/_native.c``): from ``rel`` of ``buf``
+    (the file's bytes from ``buf_at`` on), while ``window`` bytes are left, each batch
+    of ``tenant`` that lies whole in the buffer parsed and checked, and its records
+    whose checksums match appended to the five columns; where it stopped (the first
+    head it did not take) and how many records failed their checksum."""
+
+    def __call__(self, buf: memoryview, rel: int, window: int, tenant: bytes, buf_at: int,
+                 keys: list[str], offsets: list[int], sizes: list[int], seqs: list[int],
+                 checksums: list[int], /) -> tuple[int, int]: ...
+
+
+def _native_scan_batches() -> Optional[_ScanBatches]:
+    try:
+        fn: _ScanBatches = importlib.import_module("ems._native").scan_batches
+        return fn
+    except (ImportError, AttributeError):  # pragma: no cover - no compiler at install
+        return None
+
+
+#: the scan's step over the whole batches of its buffer in one native call, where it
+#: was built (None: a head at a time in Python, :func:`parse_batch_head`)
+_scan_batches = _native_scan_batches()
 
 
 def tenant_dir(root: str, tenant: str) -> str:
@@ -222,12 +248,17 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
     """The valid records of ``tenant`` in the region file at ``path`` from ``start``
     on, each value's checksum verified. The file is read into one reused buffer of
     :data:`SCAN_READ_BYTES` (a fresh one per read faulted in two pages per record of
-    4 KiB saved alone) and every head parsed in place in it; a head's records are
-    taken as columns, and checked a buffer at a time (:meth:`Scanned.check`): the
-    scan's Python is per head, not per record, where the values lie in the buffer."""
+    4 KiB saved alone) and every head parsed in place in it. The batches that lie
+    whole in the buffer go through one native call (:data:`_scan_batches`: parsed,
+    checked and appended without a Python step per head; a batch that runs past the
+    buffer is read again from its head when it fits one); the heads it leaves (garbage,
+    another tenant's, a batch larger than the buffer) and every head where it was not
+    built take the Python step: :func:`parse_batch_head`, a head's records taken as
+    columns and checked a buffer at a time (:meth:`Scanned.check`)."""
     out = Scanned()
     tb = tenant.encode()
     found = _Found()
+    native = _scan_batches
     space = bytearray(SCAN_READ_BYTES)
     fd = fs.open_file(path)
     try:
@@ -254,6 +285,18 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
                 buf.release()
                 buf, buf_at, rel = fill(pos, SCAN_READ_BYTES), pos, 0
                 buf_end = pos + len(buf)
+            if native is not None:  # every whole batch of the buffer in one call
+                if found.keys:  # (in the file's order)
+                    out.check(tb, found)
+                rel, damaged = native(buf, rel, HEAD_WINDOW if buf_end < size
+                                      else BATCH_FIXED_BYTES, tb, buf_at, out.keys,
+                                      out.offsets, out.sizes, out.seqs, out.checksums)
+                out.damaged += damaged
+                if buf_at + rel != pos:
+                    pos = buf_at + rel
+                    continue
+            # (a head the native step did not take: garbage, another tenant's, past
+            # the buffer; every head without it)
             head = parse_batch_head(buf, tenant, rel)
             if head is None:  # garbage, another tenant's, or a head past the buffer
                 fixed = parse_batch_fixed(buf, rel)
@@ -269,7 +312,14 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
             last = pos + head.offsets[-1] + head.value_lens[-1]  # (values are in order)
             if last <= buf_end:  # (and so inside the file)
                 found.add(head, pos, buf, buf_at)
-            else:  # the batch runs past the buffer, or the file ends inside it
+            elif buf_at < pos and last - pos <= SCAN_READ_BYTES and last <= size:
+                # the batch runs past the buffer and fits one: read on from its head,
+                # and take it whole (the native step, not a value at a time)
+                buf.release()
+                buf, buf_at = fill(pos, SCAN_READ_BYTES), pos
+                buf_end = pos + len(buf)
+                continue
+            else:  # larger than a buffer, or the file ends inside it
                 for i, (off, vlen) in enumerate(zip(head.offsets, head.value_lens)):
                     at = pos + off
                     if at + vlen > size:
