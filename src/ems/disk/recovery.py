@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -69,6 +70,11 @@ SCAN_READ_BYTES = 8 << 20
 #: longer head is read again whole: a full 4 MiB write buffer of 16 KiB values has a
 #: head of ~25 KiB)
 HEAD_WINDOW = 64 << 10
+#: region files scanned at once: their reads (from the device after a power cut) and
+#: their native steps side by side. 100,000 records of 4 KiB saved alone, scanned with
+#: 1 and with 4 (two runs each, 2-vCPU VM): 2.6-3.1 -> 1.9-2.2 s per million in the
+#: page cache, 5.5-7.5 -> 5.3-5.5 with its pages dropped first
+SCAN_THREADS = 4
 
 
 class _ScanBatches(Protocol):
@@ -374,21 +380,28 @@ def recover(root: str, capacity_bytes: int, region_bytes: int, clean: bool,
     scanned = 0
     scanned_regions = set()
     if not skip:
-        for rid, start in scan_from.items():
+        todo = [(rid, start) for rid, start in scan_from.items() if files[rid].size > start]
+
+        def scan(item: tuple[int, int]) -> Optional[Scanned]:
+            rid, start = item
             f = files[rid]
-            if f.size <= start:
-                continue
             try:
-                found = scan_region(fs, region_path(root, f.tenant, rid), f.tenant, start)
+                return scan_region(fs, region_path(root, f.tenant, rid), f.tenant, start)
             except FileNotFoundError:
-                index.drop_region(rid)
-                continue
-            damaged += found.damaged
-            if found.keys:
-                scanned += len(found.keys)
-                scanned_regions.add(rid)
-                next_seq = max(next_seq, max(found.seqs) + 1)
-                index.restore_scanned(f.tenant, rid, found.keys, found.offsets, found.sizes,
-                                      found.seqs, found.checksums)
+                return None
+        # (in the regions' order, each restored as its scan ends: the newest seq of a
+        # key wins whatever the order)
+        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="ems-scan") as pool:
+            for (rid, _), found in zip(todo, pool.map(scan, todo)):
+                if found is None:
+                    index.drop_region(rid)
+                    continue
+                damaged += found.damaged
+                if found.keys:
+                    scanned += len(found.keys)
+                    scanned_regions.add(rid)
+                    next_seq = max(next_seq, max(found.seqs) + 1)
+                    index.restore_scanned(files[rid].tenant, rid, found.keys, found.offsets,
+                                          found.sizes, found.seqs, found.checksums)
     return Recovered(index, next_seq, index.objects(), damaged, scanned, skip, ck is not None,
                      frozenset(scanned_regions), stale)
