@@ -157,6 +157,20 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* The records' checksums (_checksums.h), by the AVX2 build where the CPU has it. */
+static void checksums_any(const char *tenant, uint16_t tenant_len, const char *const *keys,
+                          const uint16_t *klens, const uint64_t *seqs,
+                          const void *const *vals, const uint64_t *vlens, int64_t n,
+                          uint64_t *out) {
+#ifdef EMS_HAVE_AVX2_BUILD
+    if (__builtin_cpu_supports("avx2")) {
+        ems_checksums_avx2(tenant, tenant_len, keys, klens, seqs, vals, vlens, n, out);
+        return;
+    }
+#endif
+    ems_checksums_base(tenant, tenant_len, keys, klens, seqs, vals, vlens, n, out);
+}
+
 /* checksums(tenant: bytes, keys: list[bytes], seqs: sequence of int, values: list of
  * buffers) -> list[int]: each record's checksum (_checksums.h), hashed without the GIL. */
 static PyObject *py_checksums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -219,12 +233,7 @@ static PyObject *py_checksums(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     const char *tb = PyBytes_AS_STRING(tenant);
     Py_BEGIN_ALLOW_THREADS
-#ifdef EMS_HAVE_AVX2_BUILD
-    if (__builtin_cpu_supports("avx2"))
-        ems_checksums_avx2(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
-    else
-#endif
-        ems_checksums_base(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
+    checksums_any(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
@@ -456,14 +465,8 @@ static PyObject *py_scan_batches(PyObject *self, PyObject *const *args, Py_ssize
         r += (Py_ssize_t)span;  /* (span <= 2^62: no overflow) */
     }
     if (!oom && recs.n) {
-#ifdef EMS_HAVE_AVX2_BUILD
-        if (__builtin_cpu_supports("avx2"))
-            ems_checksums_avx2(tb, (uint16_t)tl, recs.kp, recs.kl, recs.seq, recs.vp,
-                               recs.vl, recs.n, recs.got);
-        else
-#endif
-            ems_checksums_base(tb, (uint16_t)tl, recs.kp, recs.kl, recs.seq, recs.vp,
-                               recs.vl, recs.n, recs.got);
+        checksums_any(tb, (uint16_t)tl, recs.kp, recs.kl, recs.seq, recs.vp, recs.vl,
+                      recs.n, recs.got);
     }
     Py_END_ALLOW_THREADS
     PyObject *result = NULL;

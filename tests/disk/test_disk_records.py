@@ -261,6 +261,22 @@ def _forged(raw: bytes, head: BatchHead, forge: list[tuple[str, int, int]]) -> b
     return bytes(bad)
 
 
+def _both_steps(raw: bytes, tenant: str, read: int = recovery.SCAN_READ_BYTES,
+                window: int = recovery.HEAD_WINDOW) -> list[recovery.Scanned]:
+    """``raw`` scanned for ``tenant`` with the native step and without it, through read
+    buffers of ``read`` bytes and head windows of ``window``."""
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "r.region")
+        Path(path).write_bytes(raw)
+        got = []
+        for native in (recovery._scan_batches, None):
+            with mock.patch.object(recovery, "_scan_batches", native), \
+                    mock.patch.object(recovery, "SCAN_READ_BYTES", read), \
+                    mock.patch.object(recovery, "HEAD_WINDOW", window):
+                got.append(recovery.scan_region(LOCAL, path, tenant, 0))
+    return got
+
+
 @pytest.mark.skipif(recovery._scan_batches is None, reason="ems._native was not built")
 @settings(max_examples=150, deadline=None)
 @given(parts=st.lists(st.one_of(
@@ -297,29 +313,9 @@ def test_the_native_scan_step_takes_what_the_python_step_takes(parts, read, wind
             batch = bytes(bad)
         raw += batch
         seq += len(recs)
-    with tempfile.TemporaryDirectory() as d:
-        path = str(Path(d) / "r.region")
-        Path(path).write_bytes(raw)
-        for tenant in ("a", "ä"):
-            got = []
-            for native in (recovery._scan_batches, None):
-                with mock.patch.object(recovery, "_scan_batches", native), \
-                        mock.patch.object(recovery, "SCAN_READ_BYTES", read), \
-                        mock.patch.object(recovery, "HEAD_WINDOW", window):
-                    got.append(recovery.scan_region(LOCAL, path, tenant, 0))
-            assert got[0] == got[1]
-
-
-def _both_steps(raw: bytes, tenant: str) -> list[recovery.Scanned]:
-    """``raw`` scanned for ``tenant`` with the native step and without it."""
-    with tempfile.TemporaryDirectory() as d:
-        path = str(Path(d) / "r.region")
-        Path(path).write_bytes(raw)
-        got = []
-        for native in (recovery._scan_batches, None):
-            with mock.patch.object(recovery, "_scan_batches", native):
-                got.append(recovery.scan_region(LOCAL, path, tenant, 0))
-    return got
+    for tenant in ("a", "ä"):
+        native, python = _both_steps(bytes(raw), tenant, read, window)
+        assert native == python
 
 
 @pytest.mark.skipif(recovery._scan_batches is None, reason="ems._native was not built")
