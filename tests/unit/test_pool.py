@@ -382,10 +382,29 @@ def test_hold_pins_every_present_key_without_counting(pool):
     for k in ("a", "c"):
         put(pool, k)
     held = pool.hold(["a", "b", "c", "a"], owner="r")
-    assert set(held) == {"a", "c"}  # absent keys skipped, each key once
+    assert held.keys == ["a", "c"]  # absent keys skipped, each key once, in order
     stats = pool.statistics()
     assert stats.pinned == 2 and stats.hits == 0 and stats.misses == 0
     assert not pool.delete("c")  # pinned: not deleted, not evicted
-    assert held["a"].size == 64 and held["a"].offset != held["c"].offset
-    assert pool.release([pin.token for pin in held.values()], owner="r") == 2
+    assert held.sizes == [64, 64] and held.offsets[0] != held.offsets[1]
+    assert pool.release_held(held.token, owner="w") == 0  # another owner's: ignored
+    assert pool.release([held.token], owner="r") == 0  # not a pin of acquire's
+    assert pool.release_held(held.token, owner="r") == 2  # one token for all
+    assert pool.release_held(held.token, owner="r") == 0  # once
+    assert pool.statistics().pinned == 0
     assert pool.delete("c")
+    assert pool.hold(["b"], owner="r") == (0, [], [], [])  # nothing held: no token
+
+
+def test_a_hold_and_a_pin_of_one_key_count_apart(pool):
+    put(pool, "a")
+    held = pool.hold(["a"], owner="r")
+    (pin,) = pool.acquire(["a"], None, "r")
+    assert pool.release_held(held.token, owner="r") == 1
+    assert not pool.delete("a")  # still pinned by the acquire
+    pool.drop_owner("r")  # ends both kinds
+    assert pool.statistics().pinned == 0 and pool.delete("a")
+    put(pool, "b")
+    held = pool.hold(["b"], owner="s")
+    pool.drop_owner("s")
+    assert pool.release_held(held.token, owner="s") == 0 and pool.delete("b")

@@ -56,6 +56,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.committed: dict[str, int] = {}
         self.reservations: dict[int, tuple[str, int, str, float]] = {}
         self.pins: dict[int, tuple[str, str]] = {}
+        #: hold(): token -> (the keys it pinned, owner)
+        self.holds: dict[int, tuple[list[str], str]] = {}
         self.leases: dict[str, set[tuple[int, int]]] = {"a": set(), "b": set()}  # pieces
         self.evictions = self.expired = self.hits = self.misses = 0
         self.offsets: dict[str, int] = {}  # committed key -> offset
@@ -66,7 +68,12 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- model helpers
     def pin_count(self, key: str) -> int:
-        return sum(1 for k, _ in self.pins.values() if k == key)
+        return (sum(1 for k, _ in self.pins.values() if k == key)
+                + sum(1 for keys, _ in self.holds.values() if key in keys))
+
+    def pinned_keys(self) -> set[str]:
+        return {k for k, _ in self.pins.values()} | {
+            k for keys, _ in self.holds.values() for k in keys}
 
     def reserved_keys(self) -> set[str]:
         return {k for k, *_ in self.reservations.values()}
@@ -213,6 +220,31 @@ class PoolMachine(RuleBasedStateMachine):
         token = data.draw(st.sampled_from(sorted(self.pins)))
         self.pool.release([token], self.pins.pop(token)[1])
 
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=5), owner=OWNERS)
+    def hold(self, keys, owner):
+        """Every committed key, each once, in the order asked (absent ones skipped),
+        under one token (0 when none is here)."""
+        held = self.pool.hold(keys, owner)
+        want = [k for k in dict.fromkeys(keys) if k in self.committed]
+        assert held.keys == want
+        assert held.sizes == [self.committed[k] for k in want]
+        assert held.offsets == [self.offsets[k] for k in want]
+        assert (held.token == 0) == (not want)
+        if want:
+            self.holds[held.token] = (want, owner)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data(), wrong_owner=st.booleans())
+    def release_held(self, data, wrong_owner):
+        token = data.draw(st.sampled_from(sorted(self.holds)))
+        keys, owner = self.holds[token]
+        if wrong_owner:
+            other = "b" if owner == "a" else "a"
+            assert self.pool.release_held(token, other) == 0
+            return
+        assert self.pool.release_held(token, owner) == len(keys)
+        del self.holds[token]
+
     @rule(key=KEYS, unwritten=st.booleans())
     def mark(self, key, unwritten):
         if unwritten:
@@ -334,6 +366,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.reservations = {t: r for t, r in self.reservations.items() if r[2] != owner}
         self.res_offsets = {t: o for t, o in self.res_offsets.items() if t in self.reservations}
         self.pins = {t: p for t, p in self.pins.items() if p[1] != owner}
+        self.holds = {t: h for t, h in self.holds.items() if h[1] != owner}
 
     # ------------------------------------------------------------- invariants
     @invariant()
@@ -361,7 +394,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert stats.free_bytes + stats.used_bytes >= stats.capacity_bytes
         assert stats.objects == len(self.committed)
         assert stats.reserved == len(self.reservations)
-        assert stats.pinned == len({k for k, _ in self.pins.values()})
+        assert stats.pinned == len(self.pinned_keys())
         assert stats.evictions == self.evictions
         assert stats.expired_reservations == self.expired
         assert (stats.hits, stats.misses) == (self.hits, self.misses)
@@ -369,6 +402,8 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self):
         for token, (_, owner) in list(self.pins.items()):
             self.pool.release([token], owner)
+        for token, (_, owner) in list(self.holds.items()):
+            self.pool.release_held(token, owner)
         for token, r in list(self.reservations.items()):
             self.pool.abort([token], r[2])
         for owner in self.leases:

@@ -10,8 +10,9 @@ An object moves through these states::
     ------------> RESERVED -----------> COMMITTED ---------------------> evicted
                     |  abort() / TTL         |  ^
                     v  / owner gone          |  | release() (last pin)
-                  freed                      v  |
-                                            PINNED (acquire(): a reader copies)
+                  freed                      v  |   release_held() (last pin)
+                                            PINNED (acquire(): a reader copies;
+                                                    hold(): a tier's fill or write-out)
 
 * Keys are write-once: reserving a COMMITTED key answers ``EXISTS`` without a copy
   (keys are content hashes, and MLA clients save the same hash from every TP rank);
@@ -89,7 +90,7 @@ from typing import Callable, Hashable, NamedTuple, Optional, Sequence
 from ems.pool.allocator import Allocator
 from ems.pool.eviction import LruPolicy
 
-__all__ = ["Grant", "GrantStatus", "Pin", "Pool", "PoolStatistics"]
+__all__ = ["Grant", "GrantStatus", "Held", "Pin", "Pool", "PoolStatistics"]
 
 #: victims whose place is tried for a window before the whole arena is searched
 _ANCHORS = 8
@@ -121,6 +122,17 @@ class Pin(NamedTuple):
     token: int
     offset: int
     size: int
+
+
+class Held(NamedTuple):
+    """What one :meth:`Pool.hold` pinned, as columns: the keys (each once, in the order
+    asked), where each one's bytes are, and the one token that unpins them all (0:
+    nothing was pinned)."""
+
+    token: int
+    keys: list[Hashable]
+    offsets: list[int]
+    sizes: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +261,7 @@ class Pool:
         self._objects: dict[Hashable, _Object] = {}
         self._reservations: dict[int, _Object] = {}
         self._pins: dict[int, tuple[_Object, Hashable]] = {}
+        self._holds: dict[int, tuple[list[_Object], Hashable]] = {}  # hold(): one token each
         self._tokens = itertools.count(1)
         self._leases: dict[Hashable, _Lease] = {}
         self._leased = 0
@@ -518,29 +531,52 @@ class Pool:
             pins.append(_new(Pin, (token, obj.offset, obj.size)))
         return pins
 
-    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> dict[Hashable, Pin]:
-        """Pin every committed key of ``keys`` (not only a leading run; no hit or miss
-        counted); each such key's pin (its token for :meth:`release`).
+    def hold(self, keys: Sequence[Hashable], owner: Hashable = None) -> Held:
+        """Pin every committed key of ``keys`` once (not only a leading run; no hit or
+        miss counted), all under one token for :meth:`release_held`.
 
         A load whose misses a tier brings into shared memory holds the request's
         later blocks that are here already, so the tier's reservations cannot evict
         them: a load right after an exists then finds what the exists counted. A
-        tier's write-out holds a save's objects while it writes them (those evicted
-        before their turn are not there to hold).
+        tier's write-out holds a chunk of a save's objects while it writes them (those
+        evicted before their turn are not there to hold), and lets them go together.
+        One token, not one per key: a token, a table entry and a ``Pin`` per key cost
+        ~0.7 of the ~1.8 us per key held and released (2,048 keys of 16 KiB, pool
+        alone, on the 2-vCPU VM; ~1.1 us with one token), and a 16 KiB spill holds
+        and releases every value on the daemon's loop.
         """
-        pins: dict[Hashable, Pin] = {}
-        objects, policy, table, tokens = self._objects, self._policy, self._pins, self._tokens
+        if len(set(keys)) < len(keys):  # (rare) each key once, the first place kept
+            keys = list(dict.fromkeys(keys))
+        objects, remove = self._objects, self._policy.remove
+        objs: list[_Object] = []
         for key in keys:
             obj = objects.get(key)
-            if obj is None or obj.state is not _COMMITTED or key in pins:
+            if obj is None or obj.state is not _COMMITTED:
                 continue
             if obj.pins == 0:
-                policy.remove(key)
+                remove(key)
             obj.pins += 1
-            token = next(tokens)
-            table[token] = (obj, owner)
-            pins[key] = _new(Pin, (token, obj.offset, obj.size))
-        return pins
+            objs.append(obj)
+        if not objs:
+            return _new(Held, (0, [], [], []))
+        token = next(self._tokens)
+        self._holds[token] = (objs, owner)
+        return _new(Held, (token, [o.key for o in objs], [o.offset for o in objs],
+                           [o.size for o in objs]))
+
+    def release_held(self, token: int, owner: Hashable = None) -> int:
+        """Unpin what one :meth:`hold` pinned; how many objects (0 for a token that is
+        not ``owner``'s hold, or was released already)."""
+        entry = self._holds.get(token)
+        if entry is None or entry[1] != owner:
+            return 0
+        del self._holds[token]
+        insert = self._policy.insert
+        for obj in entry[0]:
+            obj.pins -= 1
+            if obj.pins == 0:
+                insert(obj.key)
+        return len(entry[0])
 
     def release(self, tokens: Sequence[int], owner: Hashable = None) -> int:
         """Unpin what :meth:`acquire` pinned; how many pins were released (tokens that
@@ -607,6 +643,8 @@ class Pool:
                 self.allocator.free(start)
         self.abort([t for t, o in self._reservations.items() if o.owner == owner], owner)
         self.release([t for t, (_, o) in self._pins.items() if o == owner], owner)
+        for token in [t for t, (_, o) in self._holds.items() if o == owner]:
+            self.release_held(token, owner)
 
     def delete(self, key: Hashable) -> bool:
         """Remove a committed, unpinned object (False when absent or in use)."""

@@ -39,7 +39,7 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import Grant, GrantStatus, Pin, Pool
+from ems.pool.core import Grant, GrantStatus, Held, Pin, Pool
 from ems.protocol import messages as m
 from ems.server.config import Limits
 from ems.server.session import Reservation, Session
@@ -63,6 +63,8 @@ _NEW, _FULL = GrantStatus.NEW, GrantStatus.FULL
 #: a named tuple (a Reservation per key of a save) made without its ``__new__``'s call:
 #: see ``ems.pool.core._new``
 _new = tuple.__new__
+#: what a load's fill holds once it answered (nothing; never changed)
+_NOTHING_HELD = Held(0, [], [], [])
 
 #: requests whose field of this name is a list of keys (or of tokens / ranges) to
 #: bound, as its position (from the message's one definition)
@@ -433,14 +435,13 @@ class _Load:
         self.keys, self.sizes, self.pins, self.tiers = keys, sizes, pins, tiers
         self.deadline = deadline
         self._next = 0
-        #: the later keys that were here before any fill -> their hold's token
+        #: the later keys that were here before any fill, held under one token
         self._held = tenant.pool.hold(keys[len(pins) + 1:], session.id)
 
     def _answer(self) -> None:
-        if self._held and self.session.serves(self.tenant):
-            self.tenant.pool.release([pin.token for pin in self._held.values()],
-                                   self.session.id)
-        self._held = {}
+        if self._held.token and self.session.serves(self.tenant):
+            self.tenant.pool.release_held(self._held.token, self.session.id)
+        self._held = _NOTHING_HELD
         self.handlers._answer_pins(self.session, self.rid, self.pins)
 
     def next(self) -> None:
@@ -466,7 +467,7 @@ class _Load:
                 self.handlers._stored_here(self.tenant, self.keys[n:n + len(more)],
                                            [p.size for p in more])
             if len(self.pins) < len(self.keys):
-                if more and self.keys[len(self.pins) - 1] in self._held:
+                if more and self.keys[len(self.pins) - 1] in self._held.keys:
                     self._next -= 1  # the same tier again, for the keys after a run here
                 self.next()
                 return

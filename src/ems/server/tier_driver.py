@@ -86,7 +86,7 @@ from ems.server.fetches import Fetch, FetchBook
 from ems.server.memory import SegmentGone, SegmentMaps
 from ems.server.ratelimit import RateLimitedLog
 from ems.server.tenants import Tenant
-from ems.server.tiers import Extent, Loop, MetricFamily, Placed, Tier, TierCounters
+from ems.server.tiers import Extent, Loop, MetricFamily, Tier, TierCounters
 
 __all__ = ["HELD", "Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
            "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
@@ -674,44 +674,44 @@ class TierDriver(Tier):
     def _start(self, p: _Pending) -> None:
         """Pin what is still in shared memory of ``p`` and hand it to the writers. Whether
         the engine holds a key already is its own check, made once, when it writes
-        (under its own lock: ``HELD``), not here as well."""
-        tenant = p.tenant
-        held_pins = tenant.pool.hold(p.keys, self._write_owner)
-        if len(held_pins) < len(p.keys):  # evicted (or deleted) before its turn
-            self._counters.add(tenant, evicted_before_write=sum(
-                1 for key in set(p.keys) if key not in held_pins))
-        if not held_pins:
+        (under its own lock: ``HELD``), not here as well.
+
+        A save larger than the engine's write chunk goes to the writers in chunks (cut
+        by the sizes it was saved with), written side by side (the device's queue
+        depth); each chunk is held under one token (``Pool.hold``) and let go when its
+        write is done."""
+        chunk = self.engine.write_chunk_bytes or p.size
+        sizes = p.sizes
+        first = filled = 0
+        for i, size in enumerate(sizes):
+            if i > first and filled + size > chunk:
+                self._write_chunk(p.tenant, p.keys[first:i])
+                first, filled = i, 0
+            filled += size
+        self._write_chunk(p.tenant, p.keys[first:])
+
+    def _write_chunk(self, tenant: Tenant, keys: Sequence[str]) -> None:
+        held = tenant.pool.hold(keys, self._write_owner)
+        if len(held.keys) < len(keys):  # evicted (or deleted) before its turn
+            self._counters.add(tenant, evicted_before_write=len(set(keys)) - len(held.keys))
+        if not held.keys:
             return
-        keys = cast(list[str], list(held_pins))  # (the driver's pool keys are str)
-        pins = list(held_pins.values())
-        held = sum(pin.size for pin in pins)
-        engine = self.engine
-        self._inflight_bytes += held
+        nbytes = sum(held.sizes)
+        self._inflight_bytes += nbytes
         self._inflight_per_tenant[tenant.name] = (
-            self._inflight_per_tenant.get(tenant.name, 0) + held)
+            self._inflight_per_tenant.get(tenant.name, 0) + nbytes)
         out_s = self.settings.write_out_s
         deadline = None if out_s is None else self._clock() + out_s
-        # A save larger than the engine's write chunk goes to the writers in chunks,
-        # written side by side (the device's queue depth), each unpinned when done.
-        chunk = engine.write_chunk_bytes or held
-        start = size = 0
-        for i, pin in enumerate(pins):
-            if i > start and size + pin.size > chunk:
-                self._write_chunk(tenant, keys[start:i], pins[start:i], size, deadline)
-                start, size = i, 0
-            size += pin.size
-        self._write_chunk(tenant, keys[start:], pins[start:], size, deadline)
 
-    def _write_chunk(self, tenant: Tenant, keys: list[str], pins: list[Pin], held: int,
-                     deadline: Optional[float]) -> None:
         def written(outcomes: list[Written]) -> None:
-            tenant.pool.release([pin.token for pin in pins], self._write_owner)
-            self._inflight_bytes -= held
-            self._inflight_per_tenant[tenant.name] -= held
+            tenant.pool.release_held(held.token, self._write_owner)
+            self._inflight_bytes -= nbytes
+            self._inflight_per_tenant[tenant.name] -= nbytes
             self._pump()
             for wake in self._waiters.pop(tenant.name, ()):
                 wake()
-        self._write(tenant, keys, pins, deadline, written)
+        self._write(tenant, cast(list[str], held.keys), held.offsets, held.sizes, deadline,
+                    written)  # (the driver's pool keys are str)
 
     def removed(self, tenant: Tenant) -> None:
         """``tenant`` was deleted (its sessions closed; on the loop, before its memory's
@@ -761,16 +761,19 @@ class TierDriver(Tier):
         """A save with ``write_rcache`` False: to the engine only (no local copy)."""
         if not self.engine.takes_saves_through or not self._usable():
             return False
-        self._write(tenant, keys, extents, self._deadline(deadline),
+        self._write(tenant, keys, [e.offset for e in extents], [e.size for e in extents],
+                    self._deadline(deadline),
                     lambda outcomes: done([w.stored for w in outcomes]), hashes)
         return True
 
-    def _write(self, tenant: Tenant, keys: Sequence[str], extents: Sequence[Placed],
-               deadline: Optional[float], then: Callable[[list[Written]], None],
+    def _write(self, tenant: Tenant, keys: Sequence[str], offsets: Sequence[int],
+               sizes: Sequence[int], deadline: Optional[float],
+               then: Callable[[list[Written]], None],
                hashes: Optional[Sequence[Optional[int]]] = None) -> None:
-        """Write each key from its pool memory on a writer; count, then ``then`` on the
-        loop (a failure is an outcome, never a stuck pin). ``hashes``: the engine's
-        block hashes of a save written through (``Target.hash``)."""
+        """Write each key from its pool memory (at its offset, of its size) on a writer;
+        count, then ``then`` on the loop (a failure is an outcome, never a stuck pin).
+        ``hashes``: the engine's block hashes of a save written through
+        (``Target.hash``)."""
         engine = self.engine
         engine_deadline = None if deadline is None else self._engine_deadline(deadline)
 
@@ -780,7 +783,7 @@ class TierDriver(Tier):
             outcomes: list[Written]
             try:
                 view = self._memory.view
-                views = [view(tenant, e.offset, e.size) for e in extents]
+                views = [view(tenant, o, n) for o, n in zip(offsets, sizes)]
                 outcomes = engine.write_batch(tenant, [  # (``_new``: a Target per value)
                     _new(Target, t) for t in zip(keys, views, itertools.repeat(None)
                                                  if hashes is None else hashes)],
@@ -802,11 +805,11 @@ class TierDriver(Tier):
             # refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
             writes = bytes_out = 0
-            for w, e in zip(outcomes, extents):
+            for w, n in zip(outcomes, sizes):
                 if w.stored:
                     if w is not HELD:
                         writes += 1
-                        bytes_out += e.size
+                        bytes_out += n
                 else:
                     counts[f"refused_{w.reason}"] += 1
                     if w.warning:

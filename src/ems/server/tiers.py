@@ -56,7 +56,7 @@ from ems.protocol.report import DaemonReport, TierRow, WireRow
 from ems.server.session import Session
 from ems.server.tenants import Tenant
 
-__all__ = ["Extent", "Loop", "MetricFamily", "Observer", "Placed", "Tier", "TierCounters",
+__all__ = ["Extent", "Loop", "MetricFamily", "Observer", "Tier", "TierCounters",
            "TierEvents"]
 
 
@@ -89,23 +89,11 @@ class Loop(Protocol):
 
 
 class Extent(NamedTuple):
-    """A range of a tenant's shared memory: where a value's bytes are. (A named tuple:
-    a write-out makes one per value, and a frozen dataclass cost three times as much.)"""
+    """A range of a tenant's shared memory: where a value's bytes are (a save written
+    through a tier: ``Tier.save_through``)."""
 
     offset: int
     size: int
-
-
-class Placed(Protocol):
-    """Where a value's bytes are in a tenant's shared memory: an :class:`Extent`, or a
-    pool's ``Pin`` as it is (a write-out hands the writers its pins: no Extent made per
-    value)."""
-
-    @property
-    def offset(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
 
 
 class Tier:
