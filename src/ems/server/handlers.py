@@ -39,7 +39,7 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool.core import Grant, GrantStatus, Held, Pin, Pool
+from ems.pool.core import Grant, GrantStatus, Pin, Pool
 from ems.protocol import messages as m
 from ems.server.config import Limits
 from ems.server.session import Reservation, Session
@@ -63,8 +63,6 @@ _NEW, _FULL = GrantStatus.NEW, GrantStatus.FULL
 #: a named tuple (a Reservation per key of a save) made without its ``__new__``'s call:
 #: see ``ems.pool.core._new``
 _new = tuple.__new__
-#: what a load's fill holds once it answered (nothing; never changed)
-_NOTHING_HELD = Held(0, [], [], [])
 
 #: requests whose field of this name is a list of keys (or of tokens / ranges) to
 #: bound, as its position (from the message's one definition)
@@ -439,9 +437,8 @@ class _Load:
         self._held = tenant.pool.hold(keys[len(pins) + 1:], session.id)
 
     def _answer(self) -> None:
-        if self._held.token and self.session.serves(self.tenant):
+        if self.session.serves(self.tenant):  # (a hold released already, or none: 0)
             self.tenant.pool.release_held(self._held.token, self.session.id)
-        self._held = _NOTHING_HELD
         self.handlers._answer_pins(self.session, self.rid, self.pins)
 
     def next(self) -> None:
