@@ -41,10 +41,8 @@ def _settled(server, objects: int, timeout_s: float = 30.0) -> dict:
 def _recovered(server, timeout_s: float = 20.0) -> dict:
     """The disk report once the start's recovery has ended (it runs on a thread of its
     own: a report right after a start may still say ``recovering``, none found yet)."""
-    def check():
-        d = _disk(server)
-        return d if d["state"] != "recovering" else None
-    return wait_for(check, timeout_s, "the disk's recovery")
+    server.disk_after_recovery(timeout_s)
+    return _disk(server)
 
 
 def _checkpointed(server, timeout_s: float = 20.0) -> None:

@@ -107,8 +107,7 @@ def run_disk(settings: DemoSettings, args: argparse.Namespace, progress: bool,
                 return 1
             rows.append(row)
         server.restart()  # SIGTERM (flush, checkpoint, clean mark), then a fresh start
-        disk = DaemonReport.from_wire(server.stats()).disk
-        recovered = disk.records_recovered if disk is not None else 0
+        recovered = server.disk_after_recovery().records_recovered
         print(f"[after restart] the daemon recovered {recovered} records from the disk",
               file=out)
         row = _pass(settings, plain, kv, argv, server, os.path.join(tmp, "restart.pt"),

@@ -17,6 +17,7 @@ one handle that starts our programs from this very ``ems`` and stops them by PID
 
 from ems.testing.control import ControlProcess, run_control
 from ems.testing.process import ChildProcess
-from ems.testing.server import ServerProcess, run_server
+from ems.testing.server import ServerProcess, disk_after_recovery, run_server
 
-__all__ = ["ChildProcess", "ControlProcess", "ServerProcess", "run_control", "run_server"]
+__all__ = ["ChildProcess", "ControlProcess", "ServerProcess", "disk_after_recovery",
+           "run_control", "run_server"]

@@ -8,11 +8,14 @@ import shutil
 import socket
 import tempfile
 import time
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 from ems.testing.process import ChildProcess
 
-__all__ = ["ServerProcess", "run_server"]
+if TYPE_CHECKING:
+    from ems.protocol.report import DiskReport
+
+__all__ = ["ServerProcess", "disk_after_recovery", "run_server"]
 
 _SOCK_PATH_MAX = 100  # unix socket paths are limited to 107 bytes
 
@@ -76,6 +79,11 @@ class ServerProcess(ChildProcess):
         from ems.client.remote import server_report
         return server_report(self.socket_path, timeout_s)
 
+    def disk_after_recovery(self, timeout_s: float = 60.0) -> "DiskReport":
+        """The disk tier's report once this start's recovery has ended (see
+        :func:`disk_after_recovery`)."""
+        return disk_after_recovery(self.socket_path, timeout_s)
+
     def _accepts(self) -> bool:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(0.5)
@@ -86,6 +94,31 @@ class ServerProcess(ChildProcess):
             return False
         finally:
             s.close()
+
+
+def disk_after_recovery(socket_path: str, timeout_s: float = 60.0) -> "DiskReport":
+    """The disk tier's report of the daemon on ``socket_path`` once its start's recovery
+    has ended.
+
+    The daemon accepts connections before its disk is recovered (a load meanwhile waits
+    for the recovery): a report taken right after a start may still say
+    ``recovering``, with no record found yet. Polls every 20 ms; RuntimeError after
+    ``timeout_s``, or when the daemon runs without ``--disk``.
+    """
+    from ems.client.remote import server_report
+    from ems.protocol.report import DaemonReport
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(0.1, deadline - time.monotonic())
+        disk = DaemonReport.from_wire(server_report(socket_path, left)).disk
+        if disk is None:
+            raise RuntimeError(f"the daemon on {socket_path} has no disk tier")
+        if disk.state != "recovering":
+            return disk
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the disk of the daemon on {socket_path} was still "
+                               f"recovering after {timeout_s} s")
+        time.sleep(0.02)
 
 
 def write_tenants_file(path: str, tenants: Mapping[str, str]) -> str:
