@@ -217,6 +217,9 @@ def test_stats_command_table_and_json(cc, server):
     from ems.stats import main as stats_main
     assert stats_main(["--socket-dir", server.socket_dir, "--json"]) == 0
     assert stats_main(["--socket-dir", server.directory + "/nowhere"]) == 1
+    # a daemon without --disk has no recovery to wait for: said, not waited for
+    with pytest.raises(RuntimeError, match="has no disk tier"):
+        server.disk_after_recovery(timeout_s=5)
 
 
 # ---------------------------------------------------------------- reaching it
