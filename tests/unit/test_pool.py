@@ -148,6 +148,24 @@ def test_delete(pool):
 
 # ----------------------------------------------------------------- eviction
 
+def test_a_leading_reserve_stops_at_the_first_refusal_and_evicts_nothing_after(pool):
+    for i in range(15):  # full: every new key evicts one, the oldest first
+        put(pool, i)
+    put(pool, "stored")
+    grants = pool.reserve(["a", "stored", "b", "c"], [64] * 4, "tier", leading=True)
+    assert [g.status for g in grants] == [GrantStatus.NEW, GrantStatus.EXISTS]
+    stats = pool.statistics()
+    assert stats.reserved == 1 and stats.evictions == 1  # "b" and "c" evicted nothing
+    assert "b" not in pool.keys() and "c" not in pool.keys()
+    # without it, every key gets its grant (and makes its room)
+    grants = pool.reserve(["d", "stored", "e"], [64] * 3, "tier")
+    assert [g.status for g in grants] == [GrantStatus.NEW, GrantStatus.EXISTS,
+                                          GrantStatus.NEW]
+    # a run that ends on a key too large for the pool: its grant is the last
+    grants = pool.reserve(["f", "huge", "g"], [64, 64 * 17, 64], "tier", leading=True)
+    assert [g.status for g in grants] == [GrantStatus.NEW, GrantStatus.TOO_LARGE]
+
+
 def test_lru_eviction_when_full(pool):
     for i in range(16):
         put(pool, i)

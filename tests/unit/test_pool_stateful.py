@@ -127,8 +127,8 @@ class PoolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- rules
     @rule(batch=st.lists(st.tuples(KEYS, st.integers(1, 64 * 6)), min_size=1, max_size=3,
                          unique_by=lambda item: item[0]),
-          owner=OWNERS, commit=st.booleans(), spare=st.booleans())
-    def reserve(self, batch, owner, commit, spare):
+          owner=OWNERS, commit=st.booleans(), spare=st.booleans(), leading=st.booleans())
+    def reserve(self, batch, owner, commit, spare, leading):
         keys, sizes = [k for k, _ in batch], [n for _, n in batch]
         before, busy = dict(self.committed), self.reserved_keys()
         largest = max((self.rounded(n) for n in before.values()), default=0)
@@ -137,7 +137,14 @@ class PoolMachine(RuleBasedStateMachine):
             self.rounded(sizes[0]), spare)
         evicted_before = self.evicted_bytes
         marked = {k for k, n in self.marks.items() if n > 0}
-        grants = self.pool.reserve(keys, sizes, owner, spare_unwritten=spare)
+        grants = self.pool.reserve(keys, sizes, owner, spare_unwritten=spare,
+                                   leading=leading)
+        if leading:  # up to the first key not granted NEW, that one's grant last
+            stop = next((i for i, g in enumerate(grants)
+                         if g.status is not GrantStatus.NEW), len(keys) - 1)
+            assert len(grants) == stop + 1, "a leading reserve went on past a refusal"
+        else:
+            assert len(grants) == len(keys)
         present = set(self.pool.keys())
         exists = set()
         for key, size, g in zip(keys, sizes, grants):

@@ -34,7 +34,7 @@ import enum
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 from ems.disk.records import ALIGN
 
@@ -63,11 +63,15 @@ def _region_of(packed: int) -> int:
     return packed >> _REGION_AT
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """Where a key's record is: region id, byte offset of its value in the region file,
     value size, the write's sequence number and the record's checksum
-    (``ems.disk.records.record_checksum``: what a read checks the value against)."""
+    (``ems.disk.records.record_checksum``: what a read checks the value against).
+
+    A named tuple made by :meth:`unpack` through ``tuple.__new__`` (no ``__init__``):
+    every key a load reads from the disk is looked up, and a frozen dataclass cost
+    2.3-2.9 us a lookup on the 2-vCPU VM (``object.__setattr__`` per field), a tenth
+    of the daemon's CPU per 16 KiB value loaded; this one 0.75-1.45 us."""
 
     region: int
     offset: int
@@ -77,9 +81,13 @@ class Location:
 
     @classmethod
     def unpack(cls, packed: int) -> Location:
-        return cls(packed >> _REGION_AT, (packed >> _OFFSET_AT) & _OFFSET_MASK,
-                   (packed >> _SIZE_AT) & _SIZE_MASK, (packed >> _SEQ_AT) & _SEQ_MASK,
-                   packed & _SUM_MASK)
+        return _new(cls, (packed >> _REGION_AT, (packed >> _OFFSET_AT) & _OFFSET_MASK,
+                          (packed >> _SIZE_AT) & _SIZE_MASK, (packed >> _SEQ_AT) & _SEQ_MASK,
+                          packed & _SUM_MASK))
+
+
+#: a named tuple made from a tuple of all its fields, without its ``__new__``'s call
+_new = tuple.__new__
 
 
 def columns(entries: dict[str, int]) -> tuple[list[str], array, array, array, array, array]:

@@ -280,19 +280,23 @@ class Pool:
 
     # ------------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
-                owner: Hashable = None, *, spare_unwritten: bool = False) -> list[Grant]:
+                owner: Hashable = None, *, spare_unwritten: bool = False,
+                leading: bool = False) -> list[Grant]:
         """Reserve space for each key (all or nothing per key, never per batch);
         ``spare_unwritten``: evict no object marked unwritten (:meth:`mark_unwritten`),
-        FULL instead (the daemon then waits for its disk writer and asks again)."""
+        FULL instead (the daemon then waits for its disk writer and asks again).
+        ``leading``: stop at the first key not granted NEW (its grant is the list's
+        last): a tier fetching a load's run of misses, which ends there, reserves the
+        run in one call and evicts nothing for the keys after it."""
         policy = self._policy
         policy.spare = spare_unwritten
         try:
-            return self._reserve(keys, sizes, owner)
+            return self._reserve(keys, sizes, owner, leading)
         finally:
             policy.spare = False
 
     def _reserve(self, keys: Sequence[Hashable], sizes: Sequence[int],
-                 owner: Hashable) -> list[Grant]:
+                 owner: Hashable, leading: bool = False) -> list[Grant]:
         expires_at = self._clock() + self.reservation_ttl_s
         grants = []
         # Keys of this batch answered EXISTS count as stored: a later key of the same
@@ -313,18 +317,24 @@ class Pool:
                         grants.append(_new(Grant, (_EXISTS, 0, 0, obj.size)))
                     else:
                         grants.append(_BUSY_GRANT)
+                    if leading:
+                        break
                     continue
                 if size != last_size:
                     need, last_size = round_up(size), size
                 if need > capacity:
                     self._refused_too_large += 1
                     grants.append(_TOO_LARGE_GRANT)
+                    if leading:
+                        break
                     continue
                 offset = alloc(need)
                 if offset is None:
                     if not self._policy.spare:  # (else the daemon waits and asks again)
                         self._refused_full += 1
                     grants.append(_FULL_GRANT)
+                    if leading:
+                        break
                     continue
                 obj = _Object(key, offset, size, need, _RESERVED, owner, expires_at)
                 self._reserved_bytes += need

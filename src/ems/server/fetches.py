@@ -18,21 +18,26 @@ It runs on the event loop only (no lock).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, NamedTuple, Optional, Sequence
 
 from ems.pool.core import Grant, GrantStatus
 from ems.server.tenants import Tenant
 
 __all__ = ["Fetch", "FetchBook", "Reserved"]
 
+_NEW_STATUS = GrantStatus.NEW
 
-@dataclasses.dataclass(frozen=True)
-class Reserved:
-    """A key reserved in a pool to fetch it into."""
+
+class Reserved(NamedTuple):
+    """A key reserved in a pool to fetch it into (made through ``tuple.__new__``: one
+    per key a load fetches)."""
 
     key: str
     grant: Grant
+
+
+#: a named tuple made from a tuple of all its fields, without its ``__new__``'s call
+_new = tuple.__new__
 
 
 class Fetch:
@@ -66,20 +71,32 @@ class FetchBook:
         """Wait for fetches in flight or reserve (in order, up to the first key that is
         neither), ``start`` this request's own fetch, and run ``done`` once every fetch
         it waits for is finished. False: nothing to fetch or wait for."""
-        pool = tenant.pool
+        pool, owner, inflight = tenant.pool, self.owner, self._inflight
         tid = tenant.segment_id
         waits: list[Fetch] = []
         mine: list[Reserved] = []
-        for key, size in zip(keys, sizes):
-            fetch = self._inflight.get((tid, key))
+        i, n = 0, len(keys)
+        while i < n:
+            fetch = inflight.get((tid, keys[i]))
             if fetch is not None:
                 if fetch not in waits:
                     waits.append(fetch)
+                i += 1
                 continue
-            grant = pool.reserve([key], [size], self.owner)[0]
-            if grant.status is not GrantStatus.NEW:
-                break
-            mine.append(Reserved(key, grant))
+            # the keys up to the next one in flight, reserved in one call (a call per
+            # key, and a frozen dataclass per key: plan + finish of 1,024 keys of 16
+            # KiB on a full pool took 8.8-10.5 us a key on the 2-vCPU VM, now 6.0-6.4)
+            j = i + 1
+            while j < n and (tid, keys[j]) not in inflight:
+                j += 1
+            run = keys[i:j]
+            grants = pool.reserve(run, sizes[i:j], owner, leading=True)
+            got = [_new(Reserved, pair) for pair in zip(run, grants)
+                   if pair[1].status is _NEW_STATUS]
+            mine += got
+            if len(got) < len(run):
+                break  # a key neither in flight nor reservable: the run ends there
+            i = j
         own: Optional[Fetch] = None
         if mine:
             own = Fetch(tenant, mine)

@@ -523,11 +523,12 @@ class TierDriver(Tier):
             outcomes: list[ReadOutcome]
             views: list[memoryview] = []
             try:
+                view = self._memory.view
                 for i in indexes:
                     grant = reserved[i].grant
-                    views.append(self._memory.view(tenant, grant.offset, grant.size))
-                outcomes = engine.read_batch(
-                    tenant, [Target(reserved[i].key, v) for i, v in zip(indexes, views)],
+                    views.append(view(tenant, grant.offset, grant.size))
+                outcomes = engine.read_batch(tenant, [  # (``_new``: a Target per value)
+                    _new(Target, (reserved[i].key, v, None)) for i, v in zip(indexes, views)],
                     engine_deadline)
             except SegmentGone:  # the tenant was deleted meanwhile: nowhere to read into
                 outcomes = [ReadOutcome.MISS] * len(indexes)
