@@ -247,7 +247,9 @@ def disk_recovery(d: dict[str, Any]) -> str:
         f"| scan (no checkpoint: a crash before the first), 4 KiB records, "
         f"{sc.get('records_per_save', 1)} a save"
         + (f" ({sc['writers']} writers, {sc['records_per_batch']:.1f} records a batch)"
-           if "records_per_batch" in sc else "") + f" | {sc['records']} | "
+           if "records_per_batch" in sc else "")
+        + (f", {100 * sc['resident_share']:.0f} % of its files in the page cache"
+           if "resident_share" in sc else "") + f" | {sc['records']} | "
         f"{sc['scan_s']:.2f} | {sc['scan_s_per_million']:.1f} "
         f"({sc['scan_cpu_s_per_million']:.1f}) |" for sc in _scans(d)])
 

@@ -67,6 +67,7 @@ temp directory removed at the end.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import mmap
 import os
@@ -357,6 +358,41 @@ def checkpoint_load(root: Path, records: int) -> dict[str, Any]:
             "checkpoint_mib": len(data) / MiB}
 
 
+_mincore = ctypes.CDLL(None, use_errno=True).mincore
+_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_mincore.restype = ctypes.c_int
+
+
+def resident_share(paths: Sequence[Path]) -> float:
+    """The share of the files' pages that are in the page cache (``mincore(2)`` of a
+    private mapping of each, which touches none of them): a scan reads them from
+    memory or from the device. This VM's kernel pages out memory not used for a few
+    seconds (DAMON's ``pageout`` scheme), page cache included, so a scan right after
+    the writes may find part of them gone."""
+    page = mmap.PAGESIZE
+    total = resident = 0
+    for path in paths:
+        size = path.stat().st_size
+        if not size:
+            continue
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            pages = -(-size // page)
+            vec = (ctypes.c_ubyte * pages)()
+            buf = ctypes.c_char.from_buffer(mm)
+            try:
+                if _mincore(ctypes.addressof(buf), size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            finally:
+                del buf
+            total += pages
+            resident += sum(b & 1 for b in vec)
+        finally:
+            mm.close()
+    return resident / total if total else 0.0
+
+
 def scan(root: Path, records: int, threads: int, per_save: int = 1) -> dict[str, Any]:
     """Recovery by scan (no checkpoint: a crash before the first) of ``records``
     records of 4 KiB, written ``per_save`` to a save by ``threads`` writers at once
@@ -373,6 +409,7 @@ def scan(root: Path, records: int, threads: int, per_save: int = 1) -> dict[str,
     batches = store.statistics().batches_written  # fewer than saves: group commit
     store.close(clean=False)
     os.unlink(path / CHECKPOINT)
+    resident = resident_share(sorted(path.rglob("*.region")))
     t0 = time.perf_counter()
     c0 = time.process_time()
     got = recover(str(path), records * record_span(4096) * 2, 64 * MiB, clean=False)
@@ -382,7 +419,8 @@ def scan(root: Path, records: int, threads: int, per_save: int = 1) -> dict[str,
         raise RuntimeError(f"the scan found {got.index.objects()} of {records} records")
     shutil.rmtree(path)
     return {"records": records, "records_per_save": per_save, "writers": threads,
-            "batches": batches, "records_per_batch": records / batches, "scan_s": took,
+            "batches": batches, "records_per_batch": records / batches,
+            "resident_share": resident, "scan_s": took,
             "scan_s_per_million": took / records * 1e6,
             "scan_cpu_s_per_million": cpu / records * 1e6}
 
@@ -709,7 +747,8 @@ def run(root: Path, mib: int, shm_mib: int, records: int, scan_records: int,
         say(f"scan (no checkpoint): {sc['records']} records of 4 KiB, {per_save} a save "
             f"({sc['records_per_batch']:.1f} a batch), in {sc['scan_s']:.2f} s "
             f"({sc['scan_s_per_million']:.1f} s per million, CPU "
-            f"{sc['scan_cpu_s_per_million']:.1f} s)")
+            f"{sc['scan_cpu_s_per_million']:.1f} s; {100 * sc['resident_share']:.0f} % of "
+            "its files in the page cache)")
         out[name] = sc
     return out
 
