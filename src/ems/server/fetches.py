@@ -25,7 +25,7 @@ from ems.server.tenants import Tenant
 
 __all__ = ["Fetch", "FetchBook", "Reserved"]
 
-_NEW_STATUS = GrantStatus.NEW
+_NEW = GrantStatus.NEW
 
 
 class Reserved(NamedTuple):
@@ -92,7 +92,7 @@ class FetchBook:
             run = keys[i:j]
             grants = pool.reserve(run, sizes[i:j], owner, leading=True)
             got = [_new(Reserved, pair) for pair in zip(run, grants)
-                   if pair[1].status is _NEW_STATUS]
+                   if pair[1].status is _NEW]
             mine += got
             if len(got) < len(run):
                 break  # a key neither in flight nor reservable: the run ends there
