@@ -3,7 +3,6 @@ itself, and a flipped byte is rejected (never decoded into something else)."""
 
 from __future__ import annotations
 
-import errno
 import struct
 import tempfile
 import zlib
@@ -17,7 +16,7 @@ import xxhash
 from hypothesis import given, settings
 
 from ems.disk import records, recovery
-from ems.disk.io import LOCAL, probe_direct
+from ems.disk.io import LOCAL
 from ems.disk.records import (
     ALIGN,
     BATCH_FIXED_BYTES,
@@ -189,67 +188,6 @@ def test_a_scan_drops_the_one_record_whose_value_was_flipped(read):
         with mock.patch.object(recovery, "SCAN_READ_BYTES", read):
             got = recovery.scan_region(LOCAL, path, "a", 0)
     assert got.keys == [k for i, k in enumerate(keys) if i != 3] and got.damaged == 1
-
-
-class _NoDirect:
-    """LOCAL, but ``O_DIRECT`` refused with EINVAL: at open (``at="open"``: a file
-    system without it) or at each direct read (``at="read"``: memory or an offset the
-    device cannot take directly); it notes which reads went direct."""
-
-    def __init__(self, at: str) -> None:
-        self.at = at
-        self.direct_fds: set[int] = set()
-        self.reads: list[bool] = []  # per read: through the O_DIRECT descriptor
-
-    def open_file(self, path, *, direct=False, **kw):
-        if direct and self.at == "open":
-            raise OSError(errno.EINVAL, "O_DIRECT refused")
-        fd = LOCAL.open_file(path, direct=direct, **kw)
-        if direct:
-            self.direct_fds.add(fd)
-        return fd
-
-    def read_at(self, fd, views, offset):
-        direct = fd in self.direct_fds
-        self.reads.append(direct)
-        if direct and self.at == "read":
-            raise OSError(errno.EINVAL, "O_DIRECT refused")
-        return LOCAL.read_at(fd, views, offset)
-
-    def close(self, fd):
-        self.direct_fds.discard(fd)
-        LOCAL.close(fd)
-
-    def file_size(self, fd):
-        return LOCAL.file_size(fd)
-
-
-@pytest.mark.parametrize("refused", [None, "open", "read"])
-def test_a_scan_reads_o_direct_where_it_can_and_finds_the_same_either_way(refused):
-    """A scan reads its file ``O_DIRECT`` (aligned reads into page-aligned memory);
-    where the file system refuses it at open, or a read refuses it, the reads go
-    through the page cache: the same records either way, and never a direct read
-    after a refusal."""
-    keys = [f"k{i}" for i in range(40)]
-    vals = [bytes([i]) * (4096 * (1 + i % 3)) for i in range(40)]
-    raw = b""
-    for lo in range(0, 40, 8):
-        raw += _batch("a", keys[lo:lo + 8], vals[lo:lo + 8], lo + 1)[0]
-    with tempfile.TemporaryDirectory() as d:
-        path = str(Path(d) / "r.region")
-        Path(path).write_bytes(raw + bytes([0x5A]) * 100)  # an unaligned, torn tail
-        if not probe_direct(LOCAL, d):
-            pytest.skip("this file system refuses O_DIRECT")
-        fs = _NoDirect("never" if refused is None else refused)
-        with mock.patch.object(recovery, "SCAN_READ_BYTES", 3 * ALIGN):
-            got = recovery.scan_region(fs, path, "a", 0)  # type: ignore[arg-type]
-    assert got.keys == keys and got.damaged == 0
-    if refused is None:  # aligned reads direct; the torn tail's read through the cache
-        assert fs.reads[0] and not fs.reads[-1]
-    elif refused == "open":
-        assert not any(fs.reads)
-    else:  # the first direct read was refused; none after it
-        assert fs.reads[0] and not any(fs.reads[1:])
 
 
 @pytest.mark.parametrize("native", [True, False])

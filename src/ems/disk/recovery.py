@@ -35,10 +35,8 @@ under that key and pass their checksum; ems keys name their content).
 
 from __future__ import annotations
 
-import errno
 import importlib
 import logging
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -262,31 +260,13 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
     buffer is read again from its head when it fits one); the heads it leaves (garbage,
     another tenant's, a batch larger than the buffer) and every head where it was not
     built take the Python step: :func:`parse_batch_head`, a head's records taken as
-    columns and checked a buffer at a time (:meth:`Scanned.check`).
-
-    The reads go ``O_DIRECT`` (the buffer is page-aligned memory) where the file system
-    allows it and the read is aligned, else through the page cache: after a power cut
-    the files come from the device either way (the store writes them ``O_DIRECT``:
-    they are not in the page cache after a crash of the daemon either), and the page
-    cache's copy and its page allocations cost more CPU than the scan's own steps.
-    Measured, 100,000 records of 4 KiB, their pages dropped first, four runs each way
-    alternating (2-vCPU VM), s per million: saved alone, wall 3.9-5.6 -> 4.6-4.7, CPU
-    3.8-7.7 -> 3.0-3.2; saved 64 at a time, wall 3.2-4.4 -> 4.0-4.4 (the page cache's
-    read-ahead overlaps the reads with the parsing, which these reads do not), CPU
-    3.5-6.2 -> 2.8-2.9: the bound (5 s per million) was met in each of these runs."""
+    columns and checked a buffer at a time (:meth:`Scanned.check`)."""
     out = Scanned()
     tb = tenant.encode()
     found = _Found()
     native = _scan_batches
-    space = mmap.mmap(-1, SCAN_READ_BYTES)
-    try:
-        fd = fs.open_file(path, direct=True)
-        cached = -1  # opened without O_DIRECT when a read cannot go so (unaligned)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # (EINVAL: the file system refuses O_DIRECT)
-            raise
-        fd = cached = fs.open_file(path)
-    direct = cached < 0
+    space = bytearray(SCAN_READ_BYTES)
+    fd = fs.open_file(path)
     try:
         size = fs.file_size(fd)
 
@@ -294,22 +274,14 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
             """The file's bytes from ``at`` on (at least ``need`` of them where the file
             has them), read into the reused buffer (the records found in it before are
             checked first)."""
-            nonlocal space, direct, cached
+            nonlocal space
             out.check(tb, found)
             if need > len(space):
-                space = mmap.mmap(-1, -(-need // ALIGN) * ALIGN)
+                space = bytearray(need)
             n = min(len(space), size - at)
             view = memoryview(space)[:n]
-            if direct and not (at % ALIGN or n % ALIGN):
-                try:
-                    return view[:fs.read_at(fd, [view], at)]
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    direct = False  # refused for this file: the rest goes buffered
-            if cached < 0:
-                cached = fs.open_file(path)
-            return view[:fs.read_at(cached, [view], at)]
+            got = fs.read_at(fd, [view], at)
+            return view[:got]
 
         buf = memoryview(b"")
         buf_at = buf_end = pos = start  # the buffer holds the file's [buf_at, buf_end)
@@ -368,8 +340,6 @@ def scan_region(fs: FileSystem, path: str, tenant: str, start: int) -> Scanned:
         out.check(tb, found)
     finally:
         fs.close(fd)
-        if cached >= 0 and cached != fd:
-            fs.close(cached)
     return out
 
 
