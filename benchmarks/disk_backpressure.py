@@ -116,10 +116,11 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
     started = time.monotonic()
+    ems_at_start = commit()
     data = run(args)
     data.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), argv=["DIR" if a.startswith("/") else a for a in argv],
-        ems=commit(), elapsed_s=round(time.monotonic() - started, 1),
+        ems=commit(since=ems_at_start), elapsed_s=round(time.monotonic() - started, 1),
         loadavg={"start": load0, "end": os.getloadavg()[0]})
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "disk_backpressure.json"

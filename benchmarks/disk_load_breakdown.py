@@ -174,6 +174,7 @@ def main(argv: list[str]) -> int:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     load0 = os.getloadavg()[0]
+    ems_at_start = commit()
     clock = Clock()
     try:
         for name, size in SIZES:
@@ -186,7 +187,8 @@ def main(argv: list[str]) -> int:
     # (the run's commit before the file is opened: an open JSON is a dirty tree)
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "argv": ["DIR" if a.startswith("/") else a for a in argv],
-           "ems": commit(), "mib": args.mib, "shm_mib": args.shm_mib, "rows": rows,
+           "ems": commit(since=ems_at_start), "mib": args.mib, "shm_mib": args.shm_mib,
+           "rows": rows,
            "loadavg": {"start": load0, "end": os.getloadavg()[0]}}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -118,3 +118,17 @@ def test_the_gpu_table_renders_what_gpu_check_writes():
     assert "8192 MiB registered" in text and "v0 **WRONG**" in text
     assert "| V1 | 2 MiB | load | 40.0 | 50.0 | 0.80 | 10.0 | 4.00 | 52.0 |" in text
     assert "(×1.050; 12 blocks" in text
+
+
+def test_a_run_records_the_commit_it_began_on_marked_dirty_if_it_moved():
+    """A run records the commit of the code it imported when it began; when the
+    checkout is another commit by its end (a process it started later imported other
+    code), it is marked dirty, never named clean as the later commit."""
+    from ems.bench.report import commit
+    now = commit()
+    if "commit" not in now:
+        pytest.skip("ems is not a git checkout here")
+    assert commit(since=now) == now  # nothing moved: the start as it was
+    before = {**now, "commit": "0" * 40, "dirty": False}
+    moved = commit(since=before)
+    assert moved["commit"] == "0" * 40 and moved["dirty"] is True

@@ -162,8 +162,23 @@ def table(ctx: Context) -> str:
     return "\n".join(lines)
 
 
-def commit() -> dict[str, Any]:
-    """The git commit of the ems checkout (where it is one) and the package version."""
+def commit(since: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The git commit of the ems checkout (where it is one) and the package version.
+
+    ``since``: this function's answer when the run began, which is what a run records
+    (the code it imported then), marked ``dirty`` when the checkout is another commit
+    now or was dirty then: a process the run started meanwhile imported other code.
+    (Taken at the end alone, a run during which a commit landed named that commit,
+    clean, for code it never ran.)"""
+    now = _commit()
+    if since is None:
+        return now
+    if since.get("commit") != now.get("commit") or now.get("dirty"):
+        return {**since, "dirty": True}
+    return since
+
+
+def _commit() -> dict[str, Any]:
     import ems
     here = os.path.dirname(os.path.abspath(ems.__file__))
     out: dict[str, Any] = {"version": getattr(ems, "__version__", "?")}
@@ -213,7 +228,8 @@ def machine() -> dict[str, Any]:
 
 
 def to_json(ctx: Context, args: dict[str, Any], peers: dict[str, Any],
-            started: datetime.datetime, elapsed_s: float) -> dict[str, Any]:
+            started: datetime.datetime, elapsed_s: float,
+            ems_at_start: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     def row(r: Row) -> dict[str, Any]:
         return {"workload": r.workload, "case": r.case, "system": r.system, "op": r.op,
                 "bytes": r.bytes, "value_bytes": r.value_bytes, "gbps": r.gbps,
@@ -233,7 +249,7 @@ def to_json(ctx: Context, args: dict[str, Any], peers: dict[str, Any],
         "date": started.isoformat(timespec="seconds"),
         "elapsed_s": round(elapsed_s, 1),
         "machine": machine(),
-        "ems": commit(),
+        "ems": commit(since=ems_at_start),
         "args": args,
         "peers": peers,
         "results": [row(r) for r in ctx.rows],
@@ -264,6 +280,7 @@ def guarded_run(work_dir: Optional[str], argv: Sequence[str],
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
+    ems_at_start = commit()
     restore = procs.install_signal_handlers()
     try:
         results = body()
@@ -279,4 +296,4 @@ def guarded_run(work_dir: Optional[str], argv: Sequence[str],
     return {"schema": 1, "date": started.isoformat(timespec="seconds"),
             "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine(),
             "loadavg": {"start": load0, "end": os.getloadavg()[0]},
-            "ems": commit(), "argv": list(argv), **results}
+            "ems": commit(since=ems_at_start), "argv": list(argv), **results}

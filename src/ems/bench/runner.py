@@ -32,7 +32,7 @@ import traceback
 from typing import Any, Optional, Sequence
 
 from ems.bench import procs
-from ems.bench.report import table, to_json, write_json
+from ems.bench.report import commit, table, to_json, write_json
 from ems.bench.systems import (
     EmsDaemon,
     EmsSystem,
@@ -128,6 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    ems_at_start = commit()
     t0 = time.monotonic()
     restore = procs.install_signal_handlers()
     work_dir = tempfile.mkdtemp(prefix="ems-bench-")
@@ -164,7 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elapsed = time.monotonic() - t0
     data = to_json(ctx, {"argv": list(argv) if argv is not None else sys.argv[1:],
                          "quick": args.quick, "systems": want, "workloads": workloads,
-                         "params": dataclasses.asdict(params)}, peers, started, elapsed)
+                         "params": dataclasses.asdict(params)}, peers, started, elapsed,
+                   ems_at_start)
     json_path = os.path.join(args.out, "bench.json")
     write_json(json_path, data)
     print(f"# ems bench, {data['date']}, {elapsed:.0f} s, ems {data['ems'].get('commit', '')}"
