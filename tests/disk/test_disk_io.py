@@ -105,3 +105,50 @@ def test_direct_where_the_kernel_takes_the_memory_buffered_where_it_refuses(tmp_
     finally:
         f.close()
         arena.close()
+
+
+def _queue(root, dev: int, segments: str, sectors_kb: str, partition: bool = False) -> None:
+    """A sysfs tree under ``root`` whose block device ``dev`` has these queue limits
+    (as a partition: ``dev`` links to a directory inside its disk's, which holds the
+    queue, as /sys/dev/block/M:m links into /sys/devices on a real host)."""
+    disk = root / "devices" / "vda"
+    node = disk / "vda1" if partition else disk
+    node.mkdir(parents=True)
+    (disk / "queue").mkdir()
+    (disk / "queue" / "max_segments").write_text(segments + "\n")
+    (disk / "queue" / "max_sectors_kb").write_text(sectors_kb + "\n")
+    (root / "dev" / "block").mkdir(parents=True)
+    (root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}").symlink_to(node)
+
+
+@pytest.mark.parametrize("segments,sectors_kb,partition,want_kib", [
+    ("254", "4096", False, 1012),  # virtio: 253 pages a request, one a read
+    ("254", "4096", True, 1012),  # a file system on a partition: its disk's queue
+    ("128", "512", False, 1016),  # two requests of 127 pages
+    ("1024", "128", False, 1024),  # eight requests of 128 KiB
+    ("2", "4096", False, 1024),  # one page a request: 256 of them
+    ("4096", "8192", False, 1024),  # larger requests than the target: the target
+])
+def test_reads_are_whole_device_requests(tmp_path, segments, sectors_kb, partition,
+                                         want_kib):
+    data = tmp_path / "data"
+    data.mkdir()
+    sys_root = tmp_path / "sys"
+    _queue(sys_root, os.stat(data).st_dev, segments, sectors_kb, partition)
+    got = dio.read_chunk_bytes(str(data), str(sys_root))
+    assert got == want_kib << 10
+    assert got % ALIGN == 0
+
+
+@pytest.mark.parametrize("segments,sectors_kb", [("", "4096"), ("x", "4096"), ("1", "4096"),
+                                                 ("254", "2")])
+def test_unreadable_or_useless_limits_read_the_target(tmp_path, segments, sectors_kb):
+    data = tmp_path / "data"
+    data.mkdir()
+    _queue(tmp_path / "sys", os.stat(data).st_dev, segments, sectors_kb)
+    assert dio.read_chunk_bytes(str(data), str(tmp_path / "sys")) == dio.READ_TARGET_BYTES
+
+
+def test_no_sysfs_entry_or_no_directory_reads_the_target(tmp_path):
+    assert dio.read_chunk_bytes(str(tmp_path), str(tmp_path / "nosys")) == dio.READ_TARGET_BYTES
+    assert dio.read_chunk_bytes(str(tmp_path / "gone")) == dio.READ_TARGET_BYTES
