@@ -42,6 +42,7 @@ import numpy as np
 
 from ems.bench.disk import (
     IO_THREADS,
+    READ_CHUNK_BYTES,
     RegionReads,
     _key,
     _TierDaemon,
@@ -50,7 +51,6 @@ from ems.bench.report import commit
 from ems.bench.systems import touched
 from ems.client import remote
 from ems.client.movers import V0Mover
-from ems.disk.io import read_chunk_bytes
 
 MiB = 1 << 20
 SIZES = (("1 MiB", 1 << 20), ("256 KiB", 256 << 10))
@@ -120,7 +120,7 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.stop()
         tier.start()
         assert tier.client is not None
-        device = RegionReads(tier.disk_dir, read_chunk_bytes(str(tier.disk_dir)), IO_THREADS)
+        device = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
         for i in range(0, count, per_save):
             batch = keys[i:i + per_save]
             clock.events.clear()

@@ -681,34 +681,3 @@ def test_small_saves_that_wait_together_are_written_as_one_batch(tmp_path):
         assert read_back(again, "u", "u", size) == (ReadResult.HIT, value_of("u", size))
     finally:
         again.close()
-
-
-class _ReadSizes(LocalFileSystem):
-    """The host's file system, recording the bytes each read asks for."""
-
-    def __init__(self) -> None:
-        self.reads: list[int] = []
-
-    def read_at(self, fd, views, offset):
-        self.reads.append(sum(v.nbytes for v in views))
-        return super().read_at(fd, views, offset)
-
-
-@pytest.mark.parametrize("chunk", [None, 64 * KiB])
-def test_reads_move_the_devices_requests_or_the_setting(tmp_path, chunk):
-    from ems.disk.io import read_chunk_bytes
-    fs = _ReadSizes()
-    store = DiskStore(DiskSettings(str(tmp_path), 256 * MiB, region_bytes=8 * MiB,
-                                   chunk_bytes=chunk), fs=fs)
-    store.open()
-    assert store.wait_recovered(30)
-    try:
-        size = 3 * MiB + 4096
-        assert store.write("t", "k", value_of("k", size)) is WriteResult.WRITTEN
-        fs.reads.clear()
-        assert read_back(store, "t", "k", size) == (ReadResult.HIT, value_of("k", size))
-        want = chunk or read_chunk_bytes(str(tmp_path))
-        assert store.statistics().read_chunk_bytes == want
-        assert fs.reads == [want] * (size // want) + [size % want]
-    finally:
-        store.close()

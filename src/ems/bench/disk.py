@@ -88,7 +88,6 @@ from ems.client.remote import server_report
 from ems.config import PoolSettings
 from ems.disk import DiskSettings, DiskStore, WriteResult
 from ems.disk.index import columns
-from ems.disk.io import read_chunk_bytes
 from ems.disk.records import (
     ALIGN,
     MAX_NAME_BYTES,
@@ -116,6 +115,10 @@ WRITE_BUFFER_BYTES: int = next(f.default for f in dataclasses.fields(DiskSetting
 #: bytes of a region file (the tier appends its write buffers to one after the other)
 REGION_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
                          if f.name == "region_bytes")  # type: ignore[assignment]
+#: bytes of the store's reads: a run of back-to-back records is read in transfers of
+#: this size (``DiskSettings.chunk_bytes``)
+READ_CHUNK_BYTES: int = next(f.default for f in dataclasses.fields(DiskSettings)
+                             if f.name == "chunk_bytes")  # type: ignore[assignment]
 #: the tier's worker threads, the depth at which the limit is measured
 IO_THREADS: int = next(f.default for f in dataclasses.fields(DiskConfig)
                        if f.name == "io_threads")  # type: ignore[assignment]
@@ -518,7 +521,7 @@ def _load_paired(tier: _TierDaemon, keys: Sequence[str], buf: np.ndarray
     read of as many bytes of its region files: seconds, keys found, and the device's
     GB/s over those reads."""
     assert tier.client is not None
-    paired = RegionReads(tier.disk_dir, read_chunk_bytes(str(tier.disk_dir)), IO_THREADS)
+    paired = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
     try:
         took, found = _load_all(tier.client, keys, buf, paired)
     finally:
@@ -661,7 +664,7 @@ def _limits(root: Path, size: int, count: int, threads: int) -> Limits:
     journal's commit)."""
     os.sync()
     big_write = max(size, WRITE_BUFFER_BYTES)
-    big_read = max(size, read_chunk_bytes(str(root)))
+    big_read = max(size, READ_CHUNK_BYTES)
     value = device_limit(root, size, count, threads)
     buffer = device_limit(root, big_write, max(threads, count * size // big_write), threads)
     os.sync()
@@ -707,7 +710,7 @@ def case(root: Path, name: str, size: int, count: int, shm: int, threads: int,
         if isinstance(value, float) and all(isinstance(r[key], float) for r in runs):
             row[key] = statistics.median(r[key] for r in runs)
     row.update(reps=reps, write_buffer_bytes=WRITE_BUFFER_BYTES,
-               read_chunk_bytes=read_chunk_bytes(str(root)), runs=runs,
+               read_chunk_bytes=READ_CHUNK_BYTES, runs=runs,
                store=store_speed(root, size, count, threads))
     return row
 

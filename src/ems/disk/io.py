@@ -45,19 +45,14 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ems.disk.records import ALIGN
 
-__all__ = ["IOV_MAX", "LOCAL", "READ_TARGET_BYTES", "WRITE_CHUNK_BYTES", "DirEntry",
-           "FileSystem", "LocalFileSystem", "RegionFile", "probe_direct", "read_chunk_bytes",
-           "read_file", "replace_file"]
+__all__ = ["IOV_MAX", "LOCAL", "WRITE_CHUNK_BYTES", "DirEntry", "FileSystem",
+           "LocalFileSystem", "RegionFile", "probe_direct", "read_file",
+           "replace_file"]
 
 #: the most buffers one preadv/pwritev takes (Linux's UIO_MAXIOV)
 IOV_MAX = 1024
 #: the most bytes one pwritev of a batch moves
 WRITE_CHUNK_BYTES = 64 << 20
-#: about the bytes one read moves (:func:`read_chunk_bytes` makes it whole device
-#: requests); also the read size where the device's limits cannot be read
-READ_TARGET_BYTES = 1 << 20
-#: the memory page: a direct transfer gives the device one segment per page it touches
-PAGE_BYTES = 4096
 
 Clock = Callable[[], float]
 
@@ -269,43 +264,6 @@ def replace_file(fs: FileSystem, path: str, data: bytes) -> None:
         fs.close(fd)
     fs.rename(tmp, path)
     fs.sync_dir(os.path.dirname(path) or ".")
-
-
-def read_chunk_bytes(directory: str, sys_root: str = "/sys") -> int:
-    """The bytes one read of ``directory``'s files should move: a whole number of the
-    device's largest requests into scattered memory, about :data:`READ_TARGET_BYTES`.
-
-    A direct read gives the block layer one segment per memory page it touches (pages
-    merge only when they happen to be adjacent in physical memory, which the daemon's
-    shared memory, faulted in over hours, rarely is). A device takes at most
-    ``max_segments`` of them and ``max_sectors_kb`` in one request; the kernel splits a
-    larger read. Measured on the benchmark VM's virtio disk (``max_segments`` 254): every
-    1 MiB read (256 pages) became two requests, 254 pages and a runt of 2, and 1 MiB
-    reads at depth 8 into shared memory moved 1.43-1.52 GB/s; reads of 1012 KiB (253
-    pages, one request each) 1.71-1.74 GB/s. A request here is ``max_segments - 1``
-    pages (a transfer that starts inside a page touches one more), at most
-    ``max_sectors_kb`` and 1 MiB; a chunk is as many whole requests as fit in 1 MiB.
-    Read from sysfs (the file system's device, or the disk a partition is on);
-    :data:`READ_TARGET_BYTES` where it is not there (tmpfs, overlay, no sysfs)."""
-    try:
-        dev = os.stat(directory).st_dev
-    except OSError:
-        return READ_TARGET_BYTES
-    base = os.path.join(sys_root, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}")
-    for queue in (os.path.join(base, "queue"), os.path.join(base, "..", "queue")):
-        try:
-            with open(os.path.join(queue, "max_segments")) as f:
-                segments = int(f.read())
-            with open(os.path.join(queue, "max_sectors_kb")) as f:
-                sectors = int(f.read()) << 10
-        except (OSError, ValueError):
-            continue
-        request = min((segments - 1) * PAGE_BYTES, sectors, READ_TARGET_BYTES)
-        request -= request % ALIGN
-        if request <= 0:
-            break
-        return READ_TARGET_BYTES // request * request
-    return READ_TARGET_BYTES
 
 
 def probe_direct(fs: FileSystem, directory: str) -> bool:

@@ -28,10 +28,8 @@ class DiskSettings:
     region_bytes: int = 64 << 20
     #: bytes the store may write per day (SSD wear); None: unbounded
     write_budget_bytes_per_day: Optional[int] = None
-    #: the most bytes one read's pread moves (a read checks its deadline between them);
-    #: None: whole requests of the directory's device, about 1 MiB
-    #: (``ems.disk.io.read_chunk_bytes``: 1012 KiB on a virtio disk)
-    chunk_bytes: Optional[int] = None
+    #: the most bytes one read's pread moves (a read checks its deadline between them)
+    chunk_bytes: int = 1 << 20
     #: the most bytes of values one write buffer packs into one batch, one pwritev (a
     #: larger value goes alone). 4 MiB: 256 records of 16 KiB per I/O, their heads and
     #: padding 0.6 % of the bytes written (``ems bench --disk``), and a region of 64 MiB
@@ -51,8 +49,7 @@ class DiskSettings:
             raise ValueError("checkpoint_s must be >= 0")
         if self.write_budget_bytes_per_day is not None and self.write_budget_bytes_per_day <= 0:
             raise ValueError("write_budget_bytes_per_day must be positive or None")
-        if self.chunk_bytes is not None and (self.chunk_bytes <= 0
-                                             or self.chunk_bytes % ALIGN):
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}")
         if not ALIGN <= self.write_buffer_bytes < MAX_BATCH_BYTES:
             raise ValueError(f"write_buffer_bytes must be at least {ALIGN} and below "

@@ -86,5 +86,3 @@ class DiskStatistics:
     #: bytes those batches span on disk: values, heads and padding (the header overhead
     #: is ``1 - bytes_written / disk_bytes_written``)
     disk_bytes_written: int = 0
-    #: bytes one read moves (``DiskSettings.chunk_bytes``, or whole device requests)
-    read_chunk_bytes: int = 0

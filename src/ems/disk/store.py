@@ -59,15 +59,7 @@ import time
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
-from ems.disk.io import (
-    LOCAL,
-    READ_TARGET_BYTES,
-    FileSystem,
-    RegionFile,
-    probe_direct,
-    read_chunk_bytes,
-    replace_file,
-)
+from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct, replace_file
 from ems.disk.records import (
     ALIGN,
     MAX_NAME_BYTES,
@@ -254,8 +246,6 @@ class DiskStore:
         self._lock_fd = -1
         self._dir_ino = 0
         self._direct = False
-        #: bytes one read moves (``DiskSettings.chunk_bytes``, or the device's: open())
-        self._chunk_bytes = settings.chunk_bytes or READ_TARGET_BYTES
         self._threads: list[threading.Thread] = []
         self._scratch = _Scratch()
         self._group = threading.Condition(threading.Lock())
@@ -309,7 +299,6 @@ class DiskStore:
         (before the first new write: a crash from now on scans); True if it was there."""
         self._dir_ino = self._fs.dir_id(self._root)
         self._direct = probe_direct(self._fs, self._root)
-        self._chunk_bytes = self.settings.chunk_bytes or read_chunk_bytes(self._root)
         total = self._fs.total_bytes(self._root)
         if self.settings.capacity_bytes > total:
             log.warning("disk store %s: capacity %d bytes is larger than the filesystem "
@@ -955,7 +944,7 @@ class DiskStore:
             if create and self._fs.make_dir(tenant_dir(self._root, tenant)):
                 self._dirty_dirs.add(self._root)
             f = RegionFile(self._fs, region_path(self._root, tenant, region), create=create,
-                           direct=self._direct, chunk_bytes=self._chunk_bytes,
+                           direct=self._direct, chunk_bytes=self.settings.chunk_bytes,
                            io_delay_s=self.settings.io_delay_s)
             self._files[region] = f
             if create:
@@ -1107,8 +1096,7 @@ class DiskStore:
                 records_dropped_damaged=c["records_dropped_damaged"],
                 recovery_s=self._recovery_s, scan_skipped=self._scan_skipped,
                 checkpoints=c["checkpoints"], last_checkpoint_age_s=age,
-                direct_io=self._direct, read_chunk_bytes=self._chunk_bytes,
-                direct_writes=c["direct_writes"],
+                direct_io=self._direct, direct_writes=c["direct_writes"],
                 buffered_writes=c["buffered_writes"], direct_reads=c["direct_reads"],
                 buffered_reads=c["buffered_reads"], batches_written=c["batches_written"],
                 disk_bytes_written=c["bytes_written_disk"])

@@ -382,7 +382,6 @@ class DiskReport(WireRow):
     buffered_reads: int = 0
     batches_written: int = 0
     disk_bytes_written: int = 0
-    read_chunk_bytes: int = 0
     #: the driver's books: lookups and writes of all tenants, the write queue, and
     #: why objects were not written (``admissions_refused``: by the store's reason)
     tier: TierTotals = dataclasses.field(default_factory=TierTotals)
