@@ -42,10 +42,10 @@ import numpy as np
 
 from ems.bench.disk import (
     IO_THREADS,
-    READ_CHUNK_BYTES,
     RegionReads,
     _key,
     _TierDaemon,
+    limit_read_chunk,
 )
 from ems.bench.report import commit
 from ems.bench.systems import touched
@@ -120,7 +120,7 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.stop()
         tier.start()
         assert tier.client is not None
-        device = RegionReads(tier.disk_dir, READ_CHUNK_BYTES, IO_THREADS)
+        device = RegionReads(tier.disk_dir, limit_read_chunk(tier.disk_dir), IO_THREADS)
         for i in range(0, count, per_save):
             batch = keys[i:i + per_save]
             clock.events.clear()
