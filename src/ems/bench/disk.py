@@ -125,8 +125,6 @@ IO_THREADS: int = next(f.default for f in dataclasses.fields(DiskConfig)
                        if f.name == "io_threads")  # type: ignore[assignment]
 SAVE_BATCH_BYTES = 32 * MiB
 LOAD_BATCH_BYTES = 64 * MiB
-#: a memory page: a direct read gives the device one segment per page it fills
-PAGE_BYTES = 4096
 
 
 # ------------------------------------------------------------------- the device
@@ -163,7 +161,7 @@ def limit_read_chunk(directory: Path, sys_root: str = "/sys") -> int:
                 sectors = int(f.read()) << 10
         except (OSError, ValueError):
             continue
-        request = min((segments - 1) * PAGE_BYTES, sectors, READ_CHUNK_BYTES)
+        request = min((segments - 1) * mmap.PAGESIZE, sectors, READ_CHUNK_BYTES)
         request -= request % ALIGN
         if request <= 0:
             break
