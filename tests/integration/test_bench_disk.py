@@ -31,6 +31,8 @@ def test_bench_disk_tiny(tmp_path):
 
     data = json.loads((out / "bench-disk.json").read_text())
     assert data["threads"] >= 1 and data["shm_bytes"] == 4 * MIB
+    assert data["huge_pages"] in (True, False)  # auto: as the machine has them
+    assert ("huge pages" if data["huge_pages"] else "4 KiB pages") in proc.stdout
     assert [s["size"] for s in data["sizes"]] == [MIB, 256 << 10, 16 << 10]
     assert data["reps"] == 1 and all(len(s["runs"]) == 1 for s in data["sizes"])
     for s in data["sizes"]:

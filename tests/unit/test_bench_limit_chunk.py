@@ -54,3 +54,14 @@ def test_unreadable_or_useless_limits_read_the_tiers_chunk(tmp_path, segments, s
 def test_no_sysfs_entry_or_no_directory_reads_the_tiers_chunk(tmp_path):
     assert limit_read_chunk(tmp_path, str(tmp_path / "nosys")) == READ_CHUNK_BYTES
     assert limit_read_chunk(tmp_path / "gone") == READ_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("segments,sectors_kb,want_kib", [
+    ("254", "4096", 1024),  # a huge page is one segment: a request is max_sectors_kb
+    ("254", "512", 1024),  # two requests of 512 KiB
+])
+def test_into_huge_pages_a_request_is_its_sectors(tmp_path, segments, sectors_kb, want_kib):
+    data = tmp_path / "data"
+    data.mkdir()
+    _queue(tmp_path / "sys", os.stat(data).st_dev, segments, sectors_kb)
+    assert limit_read_chunk(data, str(tmp_path / "sys"), page=2 << 20) == want_kib << 10

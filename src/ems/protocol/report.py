@@ -324,6 +324,8 @@ class TenantRow(PoolStatistics, WireRow):
     connections: int = 0
     quota_bytes: int = 0
     source: str = ""
+    #: whether its shared memory is of huge pages (``ems-server --huge-pages``)
+    huge_pages: bool = False
     tiers: TenantTiers = dataclasses.field(default_factory=TenantTiers)
 
     def to_wire(self) -> dict[str, Wire]:

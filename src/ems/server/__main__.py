@@ -84,7 +84,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ems-server: bad configuration: {exc.message()}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    registry = TenantRegistry(specs, config.reservation_ttl_s)
+    try:
+        registry = TenantRegistry(specs, config.reservation_ttl_s,
+                                  huge_pages=config.huge_pages)
+    except OSError as exc:  # the memory is not there (huge pages on and none to spare)
+        print(f"ems-server: cannot make the shared memory: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     daemon = Daemon(config, registry)
     # SIGTERM / SIGINT stop the daemon cleanly from here on: the socket accepts (and a
     # supervisor may stop it) before serve_forever installs its own handlers, and the

@@ -299,6 +299,13 @@ class ServerConfig:
                                _mode, default=0o660, shown="0660", flag="--socket-mode")
     log_level: str = setting("DEBUG, INFO, WARNING or ERROR", Choice(_LEVELS, fold="upper"),
                              default="INFO", env="EMS_LOG_LEVEL", flag="--log-level")
+    huge_pages: str = setting(
+        "back each tenant's shared memory with the system's reserved huge pages "
+        "(vm.nr_hugepages; a segment rounds up to whole pages): a disk tier's reads and "
+        "writes reach the device in fewer, larger requests; auto: where enough are free, "
+        "else 4 KiB pages (logged); on: a tenant without them is an error",
+        Choice(("off", "auto", "on")), default="off", env="EMS_HUGE_PAGES",
+        flag="--huge-pages")
     spin_us: int = setting(
         "busy-poll this long after a request before sleeping, microseconds (0: never)",
         Integer(0, 1_000_000), default=200, env="EMS_SERVER_SPIN_US", flag="--spin-us")

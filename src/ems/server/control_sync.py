@@ -269,7 +269,8 @@ class ControlSync:
                 continue
             try:
                 tenant = Tenant(TenantSpec(access_id, None, quota),
-                                self.config.reservation_ttl_s, clock=self.daemon.clock)
+                                self.config.reservation_ttl_s, clock=self.daemon.clock,
+                                huge_pages=self.config.huge_pages)
             except OSError as exc:
                 refused[access_id] = f"cannot make its {quota}-byte segment: {exc.strerror}"
                 continue

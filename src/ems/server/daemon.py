@@ -713,7 +713,8 @@ class Daemon:
                     tiers[tier.name] = tier_row
             rows[t.name] = TenantRow(**dataclasses.asdict(t.pool.statistics()),
                                      connections=t.connections, quota_bytes=t.quota_bytes,
-                                     source=t.source, tiers=TenantTiers.of(tiers))
+                                     source=t.source, huge_pages=t.huge_pages,
+                                     tiers=TenantTiers.of(tiers))
         parts: dict[str, WireRow] = {}
         members: list[Tier | Observer] = [*self.tiers, *self.observers]
         for part in members:

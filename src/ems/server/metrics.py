@@ -57,6 +57,8 @@ ems_pool_free_bytes                                                 + leased; fr
 ems_pool_objects, _reserved_objects,        tenant                  objects by state
 ems_pool_pinned_objects
 ems_pool_leases                             tenant                  connections with a lease
+ems_pool_huge_pages                         tenant                  1: its segment is of huge
+                                                                    pages (--huge-pages)
 ems_pool_evictions_total                    tenant                  LRU evictions
 ems_pool_evictions_by_cause_total           tenant, cause           capacity (the policy's
                                                                     victims), fragmentation
@@ -121,7 +123,9 @@ _GAUGES: tuple[tuple[str, str, Callable[[TenantRow], int]], ...] = (
     ("objects", "committed objects", lambda t: t.objects),
     ("reserved_objects", "reservations being written", lambda t: t.reserved),
     ("pinned_objects", "objects pinned by readers", lambda t: t.pinned),
-    ("leases", "connections holding a lease", lambda t: t.leases))
+    ("leases", "connections holding a lease", lambda t: t.leases),
+    ("huge_pages", "1: the segment is of huge pages (--huge-pages)",
+     lambda t: int(t.huge_pages)))
 
 
 class _Latency:
