@@ -177,10 +177,14 @@ def disk_run(d: dict[str, Any]) -> str:
     m, ems = d["machine"], d["ems"]
     commit = _commit(ems)
     argv = " ".join("DIR" if a.startswith("/") else a for a in d["argv"])
+    pages = ("the daemon's shared memory and the limits' buffers in huge pages "
+             "(`--huge-pages`)" if d.get("huge_pages") else
+             "the daemon's shared memory and the limits' buffers in 4 KiB pages")
     return (f"Run of {d['date'][:10]}, ems {ems.get('version', '?')} at commit {commit}, "
             f"`ems bench {argv}` ({d['elapsed_s']:.0f} s): {d['mib']} MiB per value size "
-            f"through {d['shm_bytes'] >> 20} MiB of shared memory, {d['threads']} I/O "
-            f"threads (the limit's depth); {m.get('cpus')} × {m.get('cpu', '?')} vCPU, "
+            f"through {d['shm_bytes'] >> 20} MiB of shared memory, {pages}, "
+            f"{d['threads']} I/O threads (the limit's depth); {m.get('cpus')} × "
+            f"{m.get('cpu', '?')} vCPU, "
             f"{m.get('memory_gib', '?')} GiB, {m['platform'].split('-with')[0]}, load "
             f"average {d['loadavg']['start']:.1f} at the start, {d['loadavg']['end']:.1f} at "
             "the end (other processes on the machine).")
