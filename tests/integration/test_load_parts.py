@@ -24,9 +24,14 @@ MIB = 1 << 20
 
 
 def test_parts_of_a_load():
-    assert _parts([MIB] * 24, 4096, 8 * MIB) == [(0, 8), (8, 16), (16, 24)]
+    # the last part of several cut in halves down to 2 MiB (the load's tail)
+    assert _parts([MIB] * 24, 4096, 8 * MIB) == [(0, 8), (8, 16), (16, 20), (20, 22),
+                                                 (22, 24)]
+    assert _parts([MIB] * 64, 4096, 16 * MIB)[3:] == [(48, 56), (56, 60), (60, 62), (62, 64)]
     assert _parts([MIB] * 10, 4, 8 * MIB) == [(0, 4), (4, 8), (8, 10)]  # max_keys too
     assert _parts([20 * MIB, MIB, MIB], 4096, 8 * MIB) == [(0, 1), (1, 3)]  # one too large
+    assert _parts([MIB] * 9, 4096, 8 * MIB) == [(0, 8), (8, 9)]  # a last key stays whole
+    assert _parts([MIB] * 8, 4096, 8 * MIB) == [(0, 8)]  # one part: not cut
     assert _parts([100] * 5, 4096, 8 * MIB) == [(0, 5)]  # small: one request, one copy
     assert _parts([], 4096, 8 * MIB) == [(0, 0)]  # an empty load still asks once
 
@@ -57,18 +62,40 @@ def _trace(monkeypatch, session) -> list[str]:
 
 
 def test_a_load_pins_the_next_parts_while_it_copies_one(cc, server, monkeypatch):
-    """24 x 1 MiB in parts of 8 MiB, two in flight: Acquire 1 and 2 go out, then each
-    reply sends the Acquire two parts on before its copy; bit-exact; nothing stays
-    pinned."""
+    """24 x 1 MiB in parts of 8, 8, 4, 2 and 2 MiB, two parts' worth (16 MiB) in
+    flight: Acquire 1 and 2 go out, then the first reply sends the three small parts
+    of the tail (together no more than the part answered) before its copy; bit-exact;
+    nothing stays pinned."""
     keys = [f"part-{i}" for i in range(24)]
     _save(cc, keys)
     monkeypatch.setattr(remote, "LOAD_PART_BYTES", 8 * MIB)
     events = _trace(monkeypatch, cc._transport._session)
     got, outs = _load(cc, keys)
     assert got == 24
-    assert events == ["Acquire", "Acquire", "Acquire", "copy", "copy", "copy"]
+    assert events == ["Acquire"] * 2 + ["Acquire"] * 3 + ["copy"] * 5
     assert all(o.bytes() == pattern(k, MIB) for k, o in zip(keys, outs))
     anonymous_stats_when(server, lambda s: s["pinned"] == 0, 5.0, "every pin released")
+
+
+def test_small_values_keep_two_parts_in_flight(make_server, client_env, monkeypatch):
+    """Parts cut by the daemon's max_keys (4 keys of 4 KiB each): their bytes would let
+    every part fly at once, their keys keep two in flight, as two whole parts of
+    max_keys do: Acquire 1 and 2, then one per reply, before its copy."""
+    server = make_server(extra_args=["--limit", "max_keys_per_request=4"])
+    client_env(server)
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="few")))
+    try:
+        cc = Ems.get_cc()
+        keys = [f"few-{i}" for i in range(16)]
+        _save(cc, keys, size=4096)
+        events = _trace(monkeypatch, cc._transport._session)
+        got, outs = _load(cc, keys, size=4096)
+        assert got == 16
+        assert events == ["Acquire", "Acquire", "Acquire", "copy", "Acquire", "copy",
+                          "copy", "copy"]
+        assert all(o.bytes() == pattern(k, 4096) for k, o in zip(keys, outs))
+    finally:
+        Ems.finalize()
 
 
 def test_a_part_that_comes_back_short_ends_the_load(cc, server, monkeypatch):

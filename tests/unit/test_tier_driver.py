@@ -477,3 +477,28 @@ def test_a_fetch_is_read_in_one_contiguous_share_per_reader(world):
     assert sorted(engine.seen) == sorted([keys[0:3], keys[3:6], keys[6:10]])
     assert len(engine.threads) == 3
     assert _pinned_bytes(tenant, maps, keys) == [_value(k) for k in keys]
+
+
+def test_a_share_carries_the_engine_s_read_share_bytes(world):
+    """An engine whose reads want ``read_share_bytes`` each: a fetch of 10 values of
+    SIZE with 8 readers goes in as many shares as it has whole share sizes (here 3,
+    the last one the longer), never in shares smaller; one of a single share size, or
+    less, in one share."""
+    tenant, maps, loop, make = world
+    engine = ShareEngine()
+    engine.read_share_bytes = 3 * SIZE
+    keys = [f"s{i}" for i in range(10)]
+    engine.values = {k: _value(k) for k in keys}
+    driver = make(engine, read_workers=8)
+    done: list[bool] = []
+    assert driver.fill(tenant, keys, [SIZE] * 10, None, lambda: done.append(True))
+    loop.run_until(lambda: bool(done))
+    assert sorted(engine.seen) == sorted([keys[0:3], keys[3:6], keys[6:10]])
+    assert _pinned_bytes(tenant, maps, keys) == [_value(k) for k in keys]
+    engine.seen.clear()
+    small = [f"t{i}" for i in range(2)]
+    engine.values.update({k: _value(k) for k in small})
+    done.clear()
+    assert driver.fill(tenant, small, [SIZE] * 2, None, lambda: done.append(True))
+    loop.run_until(lambda: bool(done))
+    assert engine.seen == [small]

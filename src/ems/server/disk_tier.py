@@ -133,6 +133,8 @@ class DiskEngine(Engine):
         #: a save larger than one write buffer is written in write buffers side by
         #: side, one per writer, instead of one buffer after the other
         self.write_chunk_bytes = config.write_buffer_bytes
+        #: a reader's share of a fetch is a read chunk at least (``Engine``'s doc)
+        self.read_share_bytes = self.store.settings.chunk_bytes
         #: announces what recovery found and keeps the engine's hashes across restarts
         #: (``disk.announce_recovered``; ``ems.server.disk_announce``)
         self.keeper: Optional[disk_announce.HashKeeper] = None
