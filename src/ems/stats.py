@@ -30,14 +30,16 @@ def _size(n: int) -> str:
 
 
 def _memory_lines(report: DaemonReport) -> list[str]:
-    """Where each tenant's bytes are (used = live + reserved + leased) and why objects
-    went (a daemon older than these fields sends none of them: they read as 0)."""
+    """Where each tenant's bytes are (used = live + reserved + leased), why objects
+    went, and the pages of its memory (``--huge-pages``; a daemon older than these
+    fields sends none of them: they read as 0, and 4 KiB pages)."""
     rows = [("tenant", "live", "reserved", "leased", "free", "evicted capacity",
-             "evicted fragmentation", "leases refused")]
+             "evicted fragmentation", "leases refused", "pages")]
     for name, t in sorted(report.tenants.items()):
         rows.append((name, _size(t.live_bytes), _size(t.reserved_bytes),
                      _size(t.leased_bytes), _size(t.free_bytes), str(t.evictions_capacity),
-                     str(t.evictions_fragmentation), str(t.leases_refused)))
+                     str(t.evictions_fragmentation), str(t.leases_refused),
+                     "huge" if t.huge_pages else "4 KiB"))
     return ["memory:"] + _table(rows)
 
 

@@ -96,6 +96,9 @@ def test_a_disk_tier_spills_and_loads_through_huge_pages(hugetlb, make_server, c
         stats = server.stats()
         row = stats["tenants"]["(anonymous)"]
         assert row["huge_pages"] is True
+        from ems.stats import format_report
+        memory = format_report(stats).split("memory:")[1].splitlines()
+        assert memory[1].split()[-1] == "pages" and memory[2].split()[-1] == "huge"
         assert row["tiers"]["disk"]["hits"] >= 12
         assert stats["disk"]["direct_reads"] >= 1  # O_DIRECT into the huge pages
     finally:
