@@ -270,9 +270,9 @@ def test_ems_stats_shows_where_the_bytes_are():
     at = lines.index("memory:")
     assert lines[at + 1].split() == ["tenant", "live", "reserved", "leased", "free",
                                      "evicted", "capacity", "evicted", "fragmentation",
-                                     "leases", "refused"]
+                                     "leases", "refused", "pages"]
     assert lines[at + 2].split() == ["t1", "512", "B", "0", "B", "256", "B", "3.2", "KiB",
-                                     "0", "0", "0"]
+                                     "0", "0", "0", "4", "KiB"]
     old = {k: v for k, v in row.items() if k not in ("live_bytes", "free_bytes")}
     assert "memory:" in format_report({"server": server, "tenants": {"t1": old}})
 
