@@ -20,11 +20,12 @@ system's reserved huge pages (``MFD_HUGETLB``; the operator reserves them with
 piece of memory, and this virtio disk takes 254 segments per request
 (``max_segments``). Over 4 KiB pages a 1 MiB value is two requests (254 pages and a
 runt of 2); over a 2 MiB page it is one, and a 4 MiB write buffer one instead of four or
-more. Measured through ``ems-server --disk`` on the 2-vCPU VM, two alternating pairs
-each, O_DIRECT reads of a 1 GiB file 8 deep: 1 MiB reads into a memfd of 4 KiB pages
-1.56-1.83 GB/s (0.77-1.36 requests per MiB), into huge pages 2.11-2.14 (0.99);
-``ems bench --disk``'s tier, loads after a restart, 1 MiB values 1.32-1.45 -> 1.72-1.76
-GB/s, 256 KiB values 1.31 -> 1.71-1.73, and the 1 MiB spill 1.68-1.69 -> 1.78.
+more. Measured on the 2-vCPU VM, two alternating pairs each: O_DIRECT reads of a 1 GiB
+file in 1 MiB reads, 8 deep, into a memfd of 4 KiB pages 1.56-1.83 GB/s (0.77-1.36
+requests per MiB), into huge pages 2.11-2.14 (0.99); through ``ems-server --disk``
+(``ems bench --disk``'s tier run), loads after a restart of 1 MiB values 1.32-1.45 ->
+1.72-1.76 GB/s and of 256 KiB values 1.31 -> 1.71-1.73, the 1 MiB spill 1.68-1.69 ->
+1.78.
 ``auto`` takes them where enough are free and falls back to 4 KiB pages (logged);
 ``on`` makes a tenant without them an error (the daemon does not start, the control
 plane's tenant is refused).
