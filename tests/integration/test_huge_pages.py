@@ -13,7 +13,7 @@ import pytest
 from support.client_worker import Value, pattern
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.server.tenants import huge_page_bytes
+from ems.server.tenants import huge_page_bytes, meminfo_kib
 
 pytestmark = pytest.mark.integration
 
@@ -22,11 +22,10 @@ _NR = "/proc/sys/vm/nr_hugepages"
 
 
 def _meminfo(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+    value = meminfo_kib(field)
+    if value is None:
+        raise KeyError(field)
+    return value
 
 
 def _set_pages(n: int) -> bool:

@@ -100,8 +100,8 @@ from ems.disk.records import (
 )
 from ems.disk.recovery import CHECKPOINT, recover, region_path, tenant_dir
 from ems.protocol.report import DaemonReport, DiskReport
-from ems.server.config import DiskConfig
-from ems.server.tenants import huge_page_bytes
+from ems.server.config import HUGE_PAGES, DiskConfig
+from ems.server.tenants import huge_page_bytes, meminfo_kib
 from ems.testing.server import disk_after_recovery
 
 __all__ = ["SIZES", "RegionReads", "add_arguments", "case", "checkpoint_load", "device_limit",
@@ -205,11 +205,8 @@ class Memory:
     2.11-2.14 GB/s into huge pages against 1.71-2.05 into 4 KiB pages, two pairs)."""
 
     huge_pages: bool = False
-
-    @property
-    def page(self) -> int:
-        """Bytes of one page (the unit of a direct transfer's segments)."""
-        return (huge_page_bytes() or mmap.PAGESIZE) if self.huge_pages else mmap.PAGESIZE
+    #: bytes of one page (the unit of a direct transfer's segments)
+    page: int = mmap.PAGESIZE
 
     def daemon_args(self) -> list[str]:
         return ["--huge-pages", "on" if self.huge_pages else "off"]
@@ -239,21 +236,16 @@ def choose_memory(mode: str, shm_bytes: int, threads: int) -> Memory:
     ``auto``: huge pages where the system has enough free for the daemon's shared memory
     and the limits' buffers, else 4 KiB pages."""
     if mode == "off":
-        return Memory(False)
+        return Memory()
     page = huge_page_bytes()
     need = shm_bytes + threads * (max(WRITE_BUFFER_BYTES, 1 << 20) + READ_CHUNK_BYTES)
-    free = 0
-    if page:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("HugePages_Free:"):
-                    free = int(line.split()[1]) * page
-    if free >= need + 4 * (page or 0):
-        return Memory(True)
+    free = (meminfo_kib("HugePages_Free") or 0) * page if page else 0
+    if page and free >= need + 4 * page:
+        return Memory(True, page)
     if mode == "on":
         raise SystemExit(f"ems bench: --disk-huge-pages on needs {need >> 20} MiB of free "
                          f"huge pages, the system has {free >> 20} MiB (vm.nr_hugepages)")
-    return Memory(False)
+    return Memory()
 
 
 def device_limit(root: Path, size: int, count: int, threads: int,
@@ -742,7 +734,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-reps", type=int, default=3,
                    help="repetitions of the limits and the tier's run, interleaved (each "
                         "run against its own limits; the median of the runs)")
-    g.add_argument("--disk-huge-pages", choices=("auto", "on", "off"), default="auto",
+    g.add_argument("--disk-huge-pages", choices=HUGE_PAGES, default="auto",
                    help="the daemon's shared memory and the limits' buffers in the "
                         "system's huge pages (vm.nr_hugepages): auto where enough are "
                         "free (default)")

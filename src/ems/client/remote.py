@@ -163,8 +163,8 @@ def _taper(parts: list[tuple[int, int]], sizes: Sequence[int]) -> list[tuple[int
     6.95 GB/s, medians of 30), three more round trips hidden behind the copies."""
     out = parts[:-1]
     lo, hi = parts[-1]
-    while hi - lo > 1 and sum(sizes[lo:hi]) > LOAD_TAPER_MIN_BYTES:
-        half, filled, mid = sum(sizes[lo:hi]) // 2, sizes[lo], lo + 1
+    while hi - lo > 1 and (total := sum(sizes[lo:hi])) > LOAD_TAPER_MIN_BYTES:
+        half, filled, mid = total // 2, sizes[lo], lo + 1
         while mid < hi - 1 and filled + sizes[mid] <= half:
             filled += sizes[mid]
             mid += 1

@@ -80,6 +80,8 @@ __all__ = ["ANONYMOUS", "CONFIG_FILE", "SDK_MAX_KEY_BYTES", "DiskConfig", "Limit
 
 ANONYMOUS = "(anonymous)"  # display name; refused as an access_id (check_id)
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: ``huge_pages`` settings (``ems.server.tenants``' module doc)
+HUGE_PAGES = ("off", "auto", "on")
 #: The longest storage key the SDK makes: a PrimaryKey of two 127-character parts of
 #: 4-byte UTF-8 characters, and its ``v0:p:127:`` prefix (V1 keys are ~50 bytes).
 SDK_MAX_KEY_BYTES = 2 * 127 * 4 + 16
@@ -304,7 +306,7 @@ class ServerConfig:
         "(vm.nr_hugepages; a segment rounds up to whole pages): a disk tier's reads and "
         "writes reach the device in fewer, larger requests; auto: where enough are free, "
         "else 4 KiB pages (logged); on: a tenant without them is an error",
-        Choice(("off", "auto", "on")), default="off", env="EMS_HUGE_PAGES",
+        Choice(HUGE_PAGES), default="off", env="EMS_HUGE_PAGES",
         flag="--huge-pages")
     spin_us: int = setting(
         "busy-poll this long after a request before sleeping, microseconds (0: never)",

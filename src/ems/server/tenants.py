@@ -48,28 +48,33 @@ from ems.config import validate_access_key
 from ems.errors import EmsException, invalid
 from ems.pool.core import Pool
 from ems.protocol import auth_mac
-from ems.server.config import ANONYMOUS, ServerConfig, check_id, read_toml
+from ems.server.config import ANONYMOUS, HUGE_PAGES, ServerConfig, check_id, read_toml
 
-__all__ = ["HUGE_PAGES", "Tenant", "TenantRegistry", "TenantSpec", "huge_page_bytes",
-           "load_tenants", "resolve_quotas"]
+__all__ = ["Tenant", "TenantRegistry", "TenantSpec", "huge_page_bytes", "load_tenants",
+           "meminfo_kib", "resolve_quotas"]
 
 logger = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-#: ``huge_pages`` settings (``ServerConfig.huge_pages``)
-HUGE_PAGES = ("off", "auto", "on")
 
 
-def huge_page_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
-    """The system's default huge page size (``Hugepagesize``), None where it has none."""
+def meminfo_kib(field: str, meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """The figure of ``field`` in ``/proc/meminfo`` (kB for sizes, a count for
+    ``HugePages_*``), None where the file or the field is not there."""
     try:
         with open(meminfo) as f:
             for line in f:
-                if line.startswith("Hugepagesize:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def huge_page_bytes() -> Optional[int]:
+    """The system's default huge page size (``Hugepagesize``), None where it has none."""
+    kib = meminfo_kib("Hugepagesize")
+    return kib * 1024 if kib else None
 
 
 def _segment(name: str, size: int, huge: bool) -> int:
