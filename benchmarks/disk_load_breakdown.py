@@ -20,9 +20,15 @@ wait for a part's answer and its copy of a part (``RemoteTransport._reply``,
 * **copy**: per part, the client's copy out of shared memory; **hidden**: the share of
   the copies made while the next part was still being read (its answer came after the
   copy ended);
+* **after the last answer**: from the last part's answer to the load's return (the
+  copies that no read hides: what the cut of the last part into small ones shortens);
 * **load** against **device**: GB/s of the loads, and of ``O_DIRECT`` reads of as many
   bytes of the tier's own region files right after each load
   (``ems.bench.disk.RegionReads``, as ``ems bench --disk`` pairs them).
+
+The parts are the ones the client made (counted from its copies, not recomputed), and
+the daemon's shared memory and the device's reads are in huge pages where the machine
+has them free (``--huge-pages``, as ``ems bench --disk-huge-pages``).
 """
 
 from __future__ import annotations
@@ -36,15 +42,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
 from ems.bench.disk import (
     IO_THREADS,
+    Memory,
     RegionReads,
     _key,
     _TierDaemon,
+    choose_memory,
     limit_read_chunk,
 )
 from ems.bench.report import commit
@@ -57,10 +65,11 @@ SIZES = (("1 MiB", 1 << 20), ("256 KiB", 256 << 10))
 
 
 class Clock:
-    """The client's waits for answers and its copies, while ``on``: (kind, start, end)."""
+    """The client's waits for answers and its copies, while ``on``: (kind, start, end,
+    values copied)."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, float, float]] = []
+        self.events: list[tuple[str, float, float, int]] = []
         self.on = False
         reply, from_pool = remote.RemoteTransport._reply, V0Mover.from_pool
 
@@ -68,14 +77,14 @@ class Clock:
             t0 = time.perf_counter()
             got = reply(transport, flight, task, spin)
             if self.on:
-                self.events.append(("answer", t0, time.perf_counter()))
+                self.events.append(("answer", t0, time.perf_counter(), 0))
             return got
 
         def timed_copy(mover: V0Mover, items: Any, locs: Any, task: Any) -> None:
             t0 = time.perf_counter()
             from_pool(mover, items, locs, task)
             if self.on:
-                self.events.append(("copy", t0, time.perf_counter()))
+                self.events.append(("copy", t0, time.perf_counter(), len(items)))
         remote.RemoteTransport._reply = timed_reply  # type: ignore[method-assign]
         V0Mover.from_pool = timed_copy  # type: ignore[method-assign]
         self._undo = (reply, from_pool)
@@ -84,30 +93,44 @@ class Clock:
         remote.RemoteTransport._reply, V0Mover.from_pool = self._undo  # type: ignore
 
 
-def _parts(events: list[tuple[str, float, float]], start: float
-           ) -> tuple[float, list[float], list[float], int]:
-    """One load's timeline: the first part's latency, the waits of the later parts,
-    the copies, and how many copies ended before the next part's answer came."""
+class Timeline(NamedTuple):
+    """One load, from the client's clock."""
+
+    first: float  # s from the call to the first part's answer
+    waits: list[float]  # s per later part: from the previous copy's end to its answer
+    copies: list[float]  # s per part
+    hidden: int  # copies that ended before the next part's answer came
+    after_last: float  # s from the last part's answer to the load's return
+    values: list[int]  # values per part
+
+
+def _timeline(events: list[tuple[str, float, float, int]], start: float, end: float
+              ) -> Timeline:
     answers = [e for e in events if e[0] == "answer"]
     copies = [e for e in events if e[0] == "copy"]
-    first = answers[0][2] - start
-    waits = [max(0.0, a[2] - c[2]) for a, c in zip(answers[1:], copies)]
-    hidden = sum(1 for a, c in zip(answers[1:], copies) if a[2] > c[2])
-    return first, waits, [c[2] - c[1] for c in copies], hidden
+    return Timeline(
+        first=answers[0][2] - start,
+        waits=[max(0.0, a[2] - c[2]) for a, c in zip(answers[1:], copies)],
+        copies=[c[2] - c[1] for c in copies],
+        hidden=sum(1 for a, c in zip(answers[1:], copies) if a[2] > c[2]),
+        after_last=end - answers[-1][2],
+        values=[c[3] for c in copies])
 
 
 def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock,
-            say: Callable[[str], None]) -> dict[str, object]:
+            memory: Memory, say: Callable[[str], None]) -> dict[str, object]:
     count = total // size
     keys = [_key(size, i) for i in range(count)]
     per_save = max(1, (shm // 4) // size)
     src = touched(per_save * size).reshape(per_save, size)
     src[:] = np.random.default_rng(size).integers(0, 256, src.shape, dtype=np.uint8)
     dst = touched(per_save * size).reshape(per_save, size)
-    tier = _TierDaemon(root, shm, 4 * total + 256 * MiB)
+    tier = _TierDaemon(root, shm, 4 * total + 256 * MiB, memory)
     firsts: list[float] = []
     waits: list[float] = []
     copies: list[float] = []
+    afters: list[float] = []
+    shapes: list[list[int]] = []
     hidden = parts = found = 0
     load_s = 0.0
     device: Optional[RegionReads] = None
@@ -120,21 +143,25 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.stop()
         tier.start()
         assert tier.client is not None
-        device = RegionReads(tier.disk_dir, limit_read_chunk(tier.disk_dir), IO_THREADS)
+        device = RegionReads(tier.disk_dir, limit_read_chunk(tier.disk_dir, page=memory.page),
+                             IO_THREADS, memory)
         for i in range(0, count, per_save):
             batch = keys[i:i + per_save]
             clock.events.clear()
             clock.on = True
             t0 = time.perf_counter()
             found += tier.client.load_found(batch, dst[:len(batch)])
-            load_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            load_s += t1 - t0
             clock.on = False
-            first, w, c, h = _parts(clock.events, t0)
-            firsts.append(first)
-            waits += w
-            copies += c
-            hidden += h
-            parts += len(c)
+            line = _timeline(clock.events, t0, t1)
+            firsts.append(line.first)
+            waits += line.waits
+            copies += line.copies
+            afters.append(line.after_last)
+            shapes.append(line.values)
+            hidden += line.hidden
+            parts += len(line.copies)
             device.read(len(batch) * size)
     finally:
         if device is not None:
@@ -142,19 +169,21 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.close()
     if found != count:
         raise RuntimeError(f"the loads found {found} of {count} objects")
+    shape = max(shapes, key=shapes.count)  # (every whole load is cut alike)
     row: dict[str, object] = {
         "name": name, "size": size, "load_bytes": per_save * size, "loads": len(firsts),
         "parts_per_load": parts / len(firsts), "part_bytes": remote.LOAD_PART_BYTES,
-        "window": remote.LOAD_WINDOW, "found": found,
+        "parts": [n * size for n in shape], "window": remote.LOAD_WINDOW, "found": found,
+        "after_last_ms": statistics.median(afters) * 1e3,
         "first_part_ms": statistics.median(firsts) * 1e3,
         "wait_ms": statistics.median(waits) * 1e3 if waits else 0.0,
         "copy_ms": statistics.median(copies) * 1e3,
         "hidden_copies": hidden / max(1, parts - len(firsts)),
         "load_gbps": found * size / load_s / 1e9, "device_gbps": device.gbps()}
-    say(f"| {name} | {row['parts_per_load']:.0f} × {remote.LOAD_PART_BYTES >> 20} MiB | "
+    say(f"| {name} | {' + '.join(str(n * size >> 20) for n in shape)} MiB | "
         f"{row['first_part_ms']:.1f} | {row['wait_ms']:.1f} | {row['copy_ms']:.1f} | "
-        f"{100 * float(row['hidden_copies']):.0f} % | {row['load_gbps']:.2f} | "  # type: ignore[arg-type]
-        f"{row['device_gbps']:.2f} |")
+        f"{100 * float(row['hidden_copies']):.0f} % | {row['after_last_ms']:.1f} | "  # type: ignore[arg-type]
+        f"{row['load_gbps']:.2f} | {row['device_gbps']:.2f} |")
     return row
 
 
@@ -165,13 +194,18 @@ def main(argv: list[str]) -> int:
                     help="the daemon's shared memory, MiB (loads are a quarter)")
     ap.add_argument("--dir", default=None, help="directory on the disk (default: --out)")
     ap.add_argument("--out", default=".", help="directory for disk_load_breakdown.json")
+    ap.add_argument("--huge-pages", choices=("auto", "on", "off"), default="auto",
+                    help="the daemon's shared memory and the device reads' buffers in huge "
+                         "pages (as ems bench --disk-huge-pages)")
     args = ap.parse_args(argv)
+    memory = choose_memory(args.huge_pages, args.shm_mib * MiB, IO_THREADS)
     os.makedirs(args.out, exist_ok=True)
     base = Path(args.dir or args.out) / "disk-load-breakdown.tmp"
     base.mkdir(parents=True, exist_ok=True)
+    print(f"pages: {'huge' if memory.huge_pages else '4 KiB'}")
     print("| values | parts of a load | first part ms | wait ms | copy ms | copies hidden | "
-          "load GB/s | device GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "after the last answer ms | load GB/s | device GB/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     load0 = os.getloadavg()[0]
     ems_at_start = commit()
@@ -179,7 +213,7 @@ def main(argv: list[str]) -> int:
     try:
         for name, size in SIZES:
             rows.append(measure(base, name, size, args.mib * MiB, args.shm_mib * MiB,
-                                clock, print))
+                                clock, memory, print))
     finally:
         clock.close()
         shutil.rmtree(base, ignore_errors=True)
@@ -188,7 +222,7 @@ def main(argv: list[str]) -> int:
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "argv": ["DIR" if a.startswith("/") else a for a in argv],
            "ems": commit(since=ems_at_start), "mib": args.mib, "shm_mib": args.shm_mib,
-           "rows": rows,
+           "huge_pages": memory.huge_pages, "rows": rows,
            "loadavg": {"start": load0, "end": os.getloadavg()[0]}}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
