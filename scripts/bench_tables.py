@@ -293,24 +293,32 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 def disk_load_breakdown(d: dict[str, Any]) -> str:
     commit = _commit(d["ems"])
+    pages = "huge pages" if d["huge_pages"] else "4 KiB pages"
     out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
            f"benchmarks/disk_load_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
-           f"per value size through {d['shm_mib']} MiB of shared memory, every object "
-           f"loaded back from the disk after a restart; load average "
+           f"per value size through {d['shm_mib']} MiB of shared memory ({pages}, and so "
+           f"are the device reads' buffers), every object loaded back from the disk "
+           f"after a restart; load average "
            f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
            "| values | a load | its parts | first part | wait for a later part | "
-           "copy of a part | copies hidden behind a read | load | device read beside it |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "copy of a part | copies hidden behind a read | after the last answer | load | "
+           "device read beside it |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
+        parts = (" + ".join(str(n >> 20) for n in r["parts"]) + " MiB"
+                 if not any(n % (1 << 20) for n in r["parts"])
+                 else " + ".join(_size(n) for n in r["parts"]))
         out.append(f"| {r['name']} | {_size(r['load_bytes'])} | "
-                   f"{r['parts_per_load']:.0f} × {_size(r['part_bytes'])}, "
-                   f"{r['window']} in flight | {r['first_part_ms']:.1f} ms | "
+                   f"{parts}, up to {r['window']} × {_size(r['part_bytes'])} in flight | "
+                   f"{r['first_part_ms']:.1f} ms | "
                    f"{r['wait_ms']:.1f} ms | {r['copy_ms']:.1f} ms | "
-                   f"{100 * r['hidden_copies']:.0f} % | {r['load_gbps']:.2f} GB/s | "
-                   f"{r['device_gbps']:.2f} GB/s |")
+                   f"{100 * r['hidden_copies']:.0f} % | {r['after_last_ms']:.1f} ms | "
+                   f"{r['load_gbps']:.2f} GB/s | {r['device_gbps']:.2f} GB/s |")
     out += ["", "Medians over the loads and their parts. The wait is from the end of a "
             "part's copy to the next part's answer: the disk's read that the copy did not "
-            "hide. A copy is hidden when the next part's answer came after it ended."]
+            "hide. A copy is hidden when the next part's answer came after it ended. After "
+            "the last answer: from the last part's answer to the load's return, the "
+            "copies that no read hides."]
     return "\n".join(out)
 
 
