@@ -53,7 +53,7 @@ from ems.bench.disk import (
     _key,
     _TierDaemon,
     choose_memory,
-    limit_read_chunk,
+    paired_reads,
 )
 from ems.bench.report import commit
 from ems.bench.systems import touched
@@ -143,8 +143,7 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.stop()
         tier.start()
         assert tier.client is not None
-        device = RegionReads(tier.disk_dir, limit_read_chunk(tier.disk_dir, page=memory.page),
-                             IO_THREADS, memory)
+        device = paired_reads(tier.disk_dir, memory)
         for i in range(0, count, per_save):
             batch = keys[i:i + per_save]
             clock.events.clear()
@@ -169,18 +168,19 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
         tier.close()
     if found != count:
         raise RuntimeError(f"the loads found {found} of {count} objects")
-    shape = max(shapes, key=shapes.count)  # (every whole load is cut alike)
+    shape = [n * size for n in max(shapes, key=shapes.count)]  # (whole loads: alike)
+    unit, unit_name = (MiB, "MiB") if not any(n % MiB for n in shape) else (1024, "KiB")
     row: dict[str, object] = {
         "name": name, "size": size, "load_bytes": per_save * size, "loads": len(firsts),
         "parts_per_load": parts / len(firsts), "part_bytes": remote.LOAD_PART_BYTES,
-        "parts": [n * size for n in shape], "window": remote.LOAD_WINDOW, "found": found,
+        "parts": shape, "window": remote.LOAD_WINDOW, "found": found,
         "after_last_ms": statistics.median(afters) * 1e3,
         "first_part_ms": statistics.median(firsts) * 1e3,
         "wait_ms": statistics.median(waits) * 1e3 if waits else 0.0,
         "copy_ms": statistics.median(copies) * 1e3,
         "hidden_copies": hidden / max(1, parts - len(firsts)),
         "load_gbps": found * size / load_s / 1e9, "device_gbps": device.gbps()}
-    say(f"| {name} | {' + '.join(str(n * size >> 20) for n in shape)} MiB | "
+    say(f"| {name} | {' + '.join(str(n // unit) for n in shape)} {unit_name} | "
         f"{row['first_part_ms']:.1f} | {row['wait_ms']:.1f} | {row['copy_ms']:.1f} | "
         f"{100 * float(row['hidden_copies']):.0f} % | {row['after_last_ms']:.1f} | "  # type: ignore[arg-type]
         f"{row['load_gbps']:.2f} | {row['device_gbps']:.2f} |")

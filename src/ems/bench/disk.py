@@ -105,7 +105,8 @@ from ems.server.tenants import huge_page_bytes, meminfo_kib
 from ems.testing.server import disk_after_recovery
 
 __all__ = ["SIZES", "RegionReads", "add_arguments", "case", "checkpoint_load", "device_limit",
-           "limit_read_chunk", "main", "region_write_limit", "run", "scan", "store_speed"]
+           "limit_read_chunk", "main", "paired_reads", "region_write_limit", "run", "scan",
+           "store_speed"]
 
 MiB = 1 << 20
 #: (name, value bytes) of the measured cases
@@ -346,6 +347,14 @@ class RegionReads:
             v.release()
         for fd in self._fds:
             os.close(fd)
+
+
+def paired_reads(directory: Path, memory: Memory) -> RegionReads:
+    """The device's reads beside a load (:class:`RegionReads`): the tier's region files
+    under ``directory``, in the limit's read size for ``memory``'s pages
+    (:func:`limit_read_chunk`), :data:`IO_THREADS` deep, into ``memory``."""
+    return RegionReads(directory, limit_read_chunk(directory, page=memory.page), IO_THREADS,
+                       memory)
 
 
 def store_speed(root: Path, size: int, count: int, threads: int) -> dict[str, Any]:
@@ -609,8 +618,7 @@ def _load_paired(tier: _TierDaemon, keys: Sequence[str], buf: np.ndarray,
     read of as many bytes of its region files: seconds, keys found, and the device's
     GB/s over those reads."""
     assert tier.client is not None
-    paired = RegionReads(tier.disk_dir, limit_read_chunk(tier.disk_dir, page=memory.page),
-                         IO_THREADS, memory)
+    paired = paired_reads(tier.disk_dir, memory)
     try:
         took, found = _load_all(tier.client, keys, buf, paired)
     finally:
