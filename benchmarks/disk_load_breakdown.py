@@ -59,6 +59,7 @@ from ems.bench.report import commit
 from ems.bench.systems import touched
 from ems.client import remote
 from ems.client.movers import V0Mover
+from ems.server.config import HUGE_PAGES
 
 MiB = 1 << 20
 SIZES = (("1 MiB", 1 << 20), ("256 KiB", 256 << 10))
@@ -194,7 +195,7 @@ def main(argv: list[str]) -> int:
                     help="the daemon's shared memory, MiB (loads are a quarter)")
     ap.add_argument("--dir", default=None, help="directory on the disk (default: --out)")
     ap.add_argument("--out", default=".", help="directory for disk_load_breakdown.json")
-    ap.add_argument("--huge-pages", choices=("auto", "on", "off"), default="auto",
+    ap.add_argument("--huge-pages", choices=HUGE_PAGES, default="auto",
                     help="the daemon's shared memory and the device reads' buffers in huge "
                          "pages (as ems bench --disk-huge-pages)")
     args = ap.parse_args(argv)

@@ -14,6 +14,7 @@ from support.client_worker import Value, pattern
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.server.tenants import huge_page_bytes, meminfo_kib
+from ems.stats import format_report
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +96,6 @@ def test_a_disk_tier_spills_and_loads_through_huge_pages(hugetlb, make_server, c
         stats = server.stats()
         row = stats["tenants"]["(anonymous)"]
         assert row["huge_pages"] is True
-        from ems.stats import format_report
         memory = format_report(stats).split("memory:")[1].splitlines()
         assert memory[1].split()[-1] == "pages" and memory[2].split()[-1] == "huge"
         assert row["tiers"]["disk"]["hits"] >= 12
