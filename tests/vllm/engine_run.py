@@ -12,8 +12,8 @@ SIGSTOPped between the lookup and the load of the step (SIGCONTed after), ``wait
 waited for (at most ``wait_s``, default 60 s), then ``sleep_s`` slept; after it,
 ``signal_file`` is written (how the test restarts the pool between two steps).
 OUT: per engine, per step: the greedy tokens and ``num_cached_tokens`` of every
-prompt, and the connector's statistics (single-process mode only: in the default mode
-the connector lives in other processes).
+prompt, and the connector's statistics once its saves are done (``connector_stats``:
+the scheduler's in single-process mode only).
 """
 
 from __future__ import annotations
@@ -27,23 +27,48 @@ import sys
 import time
 
 
+def _flush_worker(worker=None) -> dict:
+    """In a worker (its own process in vLLM's default mode, sent there by
+    ``collective_rpc``; this process in single-process mode): wait for the saves of
+    the requests just served, then the connector's counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    connector.flush()
+    return dataclasses.asdict(connector.statistics())
+
+
 def connector_stats(llm) -> dict:
+    """The connector's counters once its saves are done: ``worker`` (single-process
+    mode) or ``workers`` (default mode: one per rank, through ``collective_rpc``, which
+    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send the function), and ``scheduler``
+    (single-process mode only: the engine core is another process otherwise). Waiting
+    for the saves before the engine shuts down matters: vLLM's shutdown gives its
+    workers 5 s, and on a loaded CPU a save still in flight may not make it."""
     out = {}
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-        if has_kv_transfer_group():
-            worker = get_kv_transfer_group()
-            worker.flush()  # the saves of the requests just served
-            out["worker"] = dataclasses.asdict(worker.statistics())
-    except Exception as exc:  # noqa: BLE001 - a report, not a check
-        out["worker_error"] = repr(exc)
-    try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        if sched.connector is not None:
-            out["scheduler"] = dataclasses.asdict(sched.connector.statistics())
-    except Exception as exc:  # noqa: BLE001
-        out["scheduler_error"] = repr(exc)
+    if has_engine_core(llm):
+        try:
+            out["worker"] = _flush_worker()
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            out["worker_error"] = repr(exc)
+        try:
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            if sched.connector is not None:
+                out["scheduler"] = dataclasses.asdict(sched.connector.statistics())
+        except Exception as exc:  # noqa: BLE001
+            out["scheduler_error"] = repr(exc)
+    else:
+        try:
+            out["workers"] = llm.collective_rpc(_flush_worker, timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            out["workers_error"] = repr(exc)
     return out
+
+
+def has_engine_core(llm) -> bool:
+    """Whether the engine core runs in this process (single-process mode)."""
+    return hasattr(llm.llm_engine.engine_core, "engine_core")
 
 
 def hang_pool_before_load(pid: int):
@@ -235,13 +260,22 @@ def run_engine(spec: dict) -> dict:
     return result
 
 
-def main() -> None:
-    # ems logs under "ems" (a library configures no handlers); show them in this log
+def show_ems_logs() -> None:
+    """ems logs under "ems" (a library configures no handlers): show them in this log.
+    Called on import, so that vLLM's engine-core and worker processes (default mode),
+    which import this module again as their main, log too."""
     import logging
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("EMS %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(
+        f"EMS %(levelname)s pid={os.getpid()} %(name)s: %(message)s"))
     logging.getLogger("ems").addHandler(handler)
     logging.getLogger("ems").setLevel(logging.INFO)
+
+
+show_ems_logs()
+
+
+def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)

@@ -115,6 +115,8 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 if not k.startswith(("EMS_", "VLLM_", "PYTHON"))}
     base_env.update(PYTHONPATH=os.path.join(REPO, "src"), TMPDIR=tmp,
                     VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
+                    # engine_run.py sends a function to the workers (collective_rpc)
+                    VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                     EMS_CONNECT_TIMEOUT_MS="1000")
     model_a, model_b = os.path.join(tmp, "llama-a"), os.path.join(tmp, "llama-b")
     rc = _run([venv_python, os.path.join(HERE, "make_model.py"), f"{model_a}@0",
@@ -298,7 +300,14 @@ def test_tensor_parallel_ranks_keep_their_own_keys(runs):
     # the TP=1 blocks of the same prompts do not serve TP=2 (other keys): the first
     # prompt is computed from scratch
     assert _step(store, "shared")["cached"][0] == 0
+    # each rank saved its 11 blocks (the saves are waited for before the engine stops)
+    saved = [(w["tokens_saved"], w["tokens_save_failed"])
+             for w in _step(store, "shared")["stats"]["workers"]]
+    assert saved == [(11 * BS, 0)] * 2
     assert _step(load, "shared")["cached"] == [_full_blocks(q) for q in p]
+    loaded = [(w["tokens_loaded"], w["tokens_load_failed"])
+              for w in _step(load, "shared")["stats"]["workers"]]
+    assert loaded == [(11 * BS, 0)] * 2
     assert _step(load, "shared")["tokens"] == _step(store, "shared")["tokens"]
     assert runs["tp2_objects"] == 2 * 11  # each of the 2 ranks saved its 11 blocks
 
