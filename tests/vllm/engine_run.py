@@ -27,7 +27,7 @@ import sys
 import time
 
 
-def _flush_worker(worker=None) -> dict:
+def _flush_worker(_worker=None) -> dict:
     """In a worker (its own process in vLLM's default mode, sent there by
     ``collective_rpc``; this process in single-process mode): wait for the saves of
     the requests just served, then the connector's counters."""
@@ -47,15 +47,15 @@ def connector_stats(llm) -> dict:
     for the saves before the engine shuts down matters: vLLM's shutdown gives its
     workers 5 s, and on a loaded CPU a save still in flight may not make it."""
     out = {}
-    if has_engine_core(llm):
+    core = in_process_core(llm)
+    if core is not None:
         try:
             out["worker"] = _flush_worker()
         except Exception as exc:  # noqa: BLE001 - a report, not a check
             out["worker_error"] = repr(exc)
         try:
-            sched = llm.llm_engine.engine_core.engine_core.scheduler
-            if sched.connector is not None:
-                out["scheduler"] = dataclasses.asdict(sched.connector.statistics())
+            if core.scheduler.connector is not None:
+                out["scheduler"] = dataclasses.asdict(core.scheduler.connector.statistics())
         except Exception as exc:  # noqa: BLE001
             out["scheduler_error"] = repr(exc)
     else:
@@ -66,9 +66,10 @@ def connector_stats(llm) -> dict:
     return out
 
 
-def has_engine_core(llm) -> bool:
-    """Whether the engine core runs in this process (single-process mode)."""
-    return hasattr(llm.llm_engine.engine_core, "engine_core")
+def in_process_core(llm):
+    """vLLM's engine core when it runs in this process (single-process mode), else
+    None (the default mode: it is another process)."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
 
 
 def hang_pool_before_load(pid: int):
@@ -183,8 +184,11 @@ class VllmEvents:
 
 def kv_cache_groups(llm) -> list:
     """The engine's KV cache groups (their spec kinds); single-process mode only."""
+    core = in_process_core(llm)
+    if core is None:
+        return []
     try:
-        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        config = core.scheduler.kv_cache_config
         return [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
     except AttributeError:
         return []
