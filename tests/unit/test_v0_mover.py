@@ -4,7 +4,9 @@ deadline is checked before every run."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -23,6 +25,22 @@ _keys = st.lists(st.tuples(st.lists(st.tuples(st.integers(1, 3000), st.sampled_f
                                     min_size=1, max_size=3),
                            st.sampled_from([0, 0, 64])),
                  min_size=1, max_size=12)
+
+
+@contextlib.contextmanager
+def _counted_copies() -> Iterator[list[int]]:
+    """The sizes of the copies made meanwhile (``ems.client.copy.copy_bytes`` calls)."""
+    calls: list[int] = []
+    real = _copy.copy_bytes
+
+    def counting(dst: int, src: int, n: int) -> None:
+        calls.append(n)
+        real(dst, src, n)
+    _copy.copy_bytes = counting
+    try:
+        yield calls
+    finally:
+        _copy.copy_bytes = real
 
 
 def _layout(keys: list) -> tuple[np.ndarray, list[list[tuple[int, int]]], list[int], int, int]:
@@ -58,14 +76,7 @@ def test_adjacent_buffers_are_one_copy_and_the_bytes_are_a_copy_per_buffer(keys:
     mm = mmap.mmap(-1, max(4096, pool_bytes))
     seg = Segment(7, mm)
     try:
-        calls: list[int] = []
-        real = _copy.copy_bytes
-
-        def counting(dst: int, src: int, n: int) -> None:
-            calls.append(n)
-            real(dst, src, n)
-        _copy.copy_bytes = counting  # (no monkeypatch fixture in a Hypothesis test)
-        try:
+        with _counted_copies() as calls:
             mover = V0Mover(regions)
             items = range(len(keys))
             mover.to_pool(items, [(seg, off) for off in offsets], Task(0, "save"))
@@ -86,8 +97,6 @@ def test_adjacent_buffers_are_one_copy_and_the_bytes_are_a_copy_per_buffer(keys:
                 for addr, n in key_regions:
                     at = addr - user.ctypes.data
                     assert np.array_equal(user[at:at + n], back[at:at + n])
-        finally:
-            _copy.copy_bytes = real
     finally:
         seg.close()
 
@@ -99,21 +108,16 @@ def test_a_run_stops_at_its_bound_and_the_deadline_is_checked_before_each(
     regions = [[(user.ctypes.data + i * 4096, 4096)] for i in range(6)]
     seg = Segment(3, mmap.mmap(-1, 6 * 4096))
     try:
-        calls: list[int] = []
-        real = _copy.copy_bytes
-
-        def counting(dst: int, src: int, n: int) -> None:
-            calls.append(n)
-            real(dst, src, n)
-        monkeypatch.setattr(_copy, "copy_bytes", counting)
-        V0Mover(regions).to_pool(range(6), [(seg, i * 4096) for i in range(6)],
-                                 Task(0, "save"))
-        assert calls == [8192, 8192, 8192]  # six adjacent pages: three runs of two
-        expired = Task(1, "save")
-        expired.deadline = 0.0  # (long past)
-        calls.clear()
-        with pytest.raises(Cancelled):
-            V0Mover(regions).to_pool(range(6), [(seg, i * 4096) for i in range(6)], expired)
-        assert calls == []  # nothing copied once the deadline has passed
+        with _counted_copies() as calls:
+            V0Mover(regions).to_pool(range(6), [(seg, i * 4096) for i in range(6)],
+                                     Task(0, "save"))
+            assert calls == [8192, 8192, 8192]  # six adjacent pages: three runs of two
+            expired = Task(1, "save")
+            expired.deadline = 0.0  # (long past)
+            calls.clear()
+            with pytest.raises(Cancelled):
+                V0Mover(regions).to_pool(range(6), [(seg, i * 4096) for i in range(6)],
+                                         expired)
+            assert calls == []  # nothing copied once the deadline has passed
     finally:
         seg.close()
