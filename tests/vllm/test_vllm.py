@@ -67,6 +67,21 @@ def _run(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> int:
                 proc.wait()
 
 
+def engine_env(tmp: str, **more: str) -> dict[str, str]:
+    """The environment of the engine processes a test starts: this one's, less every
+    ``EMS_``/``VLLM_``/``PYTHON`` variable, with ems from this checkout, the temp dir
+    and vLLM's cache in ``tmp``, no usage stats, a short connect timeout, and
+    functions allowed through ``collective_rpc`` (engine_run.py sends the workers one
+    to wait for their saves and read their counters); ``more`` on top."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("EMS_", "VLLM_", "PYTHON"))}
+    env.update(PYTHONPATH=os.path.join(REPO, "src"), TMPDIR=tmp, VLLM_NO_USAGE_STATS="1",
+               VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", EMS_CONNECT_TIMEOUT_MS="1000")
+    env.update(more)
+    return env
+
+
 def _tail(path: str, n: int = 60) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -111,13 +126,7 @@ def _full_blocks(prompt: list[int]) -> int:
 def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = str(tmp_path_factory.mktemp("vllm-e2e"))
     log = os.path.join(tmp, "engines.log")
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("EMS_", "VLLM_", "PYTHON"))}
-    base_env.update(PYTHONPATH=os.path.join(REPO, "src"), TMPDIR=tmp,
-                    VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
-                    # engine_run.py sends a function to the workers (collective_rpc)
-                    VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                    EMS_CONNECT_TIMEOUT_MS="1000")
+    base_env = engine_env(tmp)
     model_a, model_b = os.path.join(tmp, "llama-a"), os.path.join(tmp, "llama-b")
     rc = _run([venv_python, os.path.join(HERE, "make_model.py"), f"{model_a}@0",
                f"{model_b}@1"], base_env, 300, log)

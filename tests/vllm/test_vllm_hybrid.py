@@ -27,7 +27,7 @@ import random
 import time
 
 import pytest
-from test_vllm import BS, HERE, REPO, _run, _tail, venv_python  # noqa: F401 (a fixture)
+from test_vllm import BS, HERE, _run, _tail, engine_env, venv_python  # noqa: F401 (a fixture)
 
 from ems.testing import run_server
 
@@ -54,14 +54,7 @@ def _full_blocks(prompt: list[int]) -> int:
 def hybrid_runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
     tmp = str(tmp_path_factory.mktemp("vllm-hybrid"))
     log = os.path.join(tmp, "engines.log")
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("EMS_", "VLLM_", "PYTHON"))}
-    base_env.update(PYTHONPATH=os.path.join(REPO, "src"), TMPDIR=tmp,
-                    VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
-                    EMS_CONNECT_TIMEOUT_MS="1000", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                    # engine_run.py reads the multiprocess workers' counters through
-                    # collective_rpc, which sends them a function
-                    VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    base_env = engine_env(tmp, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     model = os.path.join(tmp, "gemma3")
     rc = _run([venv_python, os.path.join(HERE, "make_model.py"), f"{model}@0",
                "--arch", "gemma3", "--sliding-window", str(WINDOW)], base_env, 300, log)
