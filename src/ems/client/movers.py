@@ -41,8 +41,8 @@ class V0Mover:
     values, where the daemon reserved or pinned them in order) as one run of up to
     :data:`_HOST_RUN_BYTES`: a load of 64 MiB from a daemon's shared memory (huge
     pages, 30 alternating pairs) went 3.28 -> 3.77 GB/s at 16 KiB values, 5.89 -> 6.14
-    at 256 KiB and 6.45 -> 6.53 at 1 MiB; saves 1-4 % (a call per buffer paid ~1 us of
-    Python and a release of the GIL each). Where the
+    at 256 KiB and 6.45 -> 6.53 at 1 MiB; saves 1-5 % (a call per buffer, with its
+    release of the GIL, cost about 0.7 us: 2.7 ms of the 4,096-value load). Where the
     process has CUDA, each buffer is classified with ``cudaPointerGetAttributes``;
     device buffers are collected and copied by one batched runtime call per
     ``_DEVICE_BATCH`` bytes (:meth:`CudaRuntime.copy_runs`: it returns when they have
