@@ -426,3 +426,35 @@ def test_a_hold_and_a_pin_of_one_key_count_apart(pool):
     held = pool.hold(["b"], owner="s")
     pool.drop_owner("s")
     assert pool.release_held(held.token, owner="s") == 0 and pool.delete("b")
+
+
+@pytest.mark.parametrize("pin", ["hold", "acquire"])
+def test_a_pinned_victim_is_skipped_then_evictable_again(clock, pin):
+    """A pin leaves its object in the LRU order (no reordering per pin); eviction
+    that meets it skips it (parks it), and its release makes it evictable again,
+    the most recently used, as a release did when pins took objects out."""
+    pool = Pool(64 * 3, reservation_ttl_s=10.0, clock=clock)
+    for k in ("a", "b", "c"):
+        put(pool, k)
+    if pin == "hold":
+        token = pool.hold(["a"], owner="r").token
+    else:
+        (p,) = pool.acquire(["a"], None, "r")  # a hit: a is the most recent now
+        for k in ("b", "c"):  # two more hits: a is the LRU victim again, pinned
+            pool.release([t for t, *_ in pool.acquire([k], None, "r")], "r")
+    put(pool, "d")  # evicts b, not the pinned a
+    assert sorted(pool.keys()) == ["a", "c", "d"]
+    put(pool, "e")  # c; a was parked, not met again
+    assert sorted(pool.keys()) == ["a", "d", "e"]
+    (g,) = pool.reserve(["f"], [64 * 3])  # the whole arena, a in it: no window
+    assert g.status is GrantStatus.FULL and sorted(pool.keys()) == ["a", "d", "e"]
+    if pin == "hold":
+        assert pool.release_held(token, owner="r") == 1
+    else:
+        assert pool.release([p.token], owner="r") == 1
+    assert pool.statistics().pinned == 0
+    for k, evicted in (("f", "d"), ("g", "e"), ("h", "a")):  # a last: released last
+        put(pool, k)
+        assert evicted not in pool.keys()
+    assert sorted(pool.keys()) == ["f", "g", "h"]
+    pool.allocator.check()

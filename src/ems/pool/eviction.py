@@ -1,8 +1,13 @@
 """Eviction policies: small strategies that observe the index and choose victims.
 
-A policy only tracks *evictable* keys (committed, unpinned); the pool removes a key
-from the policy while it is pinned or reserved, so :meth:`victim` is O(1) and never
-returns something a reader is copying.
+A policy tracks the *committed* keys that eviction may consider: a key enters at
+commit and leaves when it is evicted or deleted. A pin (a reader's copy, a tier's
+write-out) leaves it listed: the pool skips a pinned victim and takes it out of the
+policy then (it is *parked*, ``Pool._pop_victim``), and puts it back when its last pin
+goes. So a pin and its release cost a counter each, and :meth:`victim` may name a
+pinned key: the pool checks. (Before, every pin took its key out and put it back: a
+16 KiB spill through ``ems-server --disk`` paid that on the daemon's loop for every
+value it wrote out.)
 
 Written objects first. A key can be marked *unwritten* (:meth:`LruPolicy.mark_all`): a
 tier behind shared memory (the disk) has been asked to write it and has not yet. Such
@@ -39,7 +44,7 @@ class LruPolicy:
         self.spare = False
 
     def insert(self, key: Hashable) -> None:
-        """``key`` became evictable (committed, or its last pin was released)."""
+        """``key`` became evictable (committed, or unparked), the most recently used."""
         order = self._unwritten if key in self._marks else self._order
         if key in order:
             order.move_to_end(key)
@@ -47,13 +52,15 @@ class LruPolicy:
             order[key] = None
 
     def touch(self, key: Hashable) -> None:
-        """``key`` was used; keep it longer."""
-        for order in (self._order, self._unwritten):
-            if key in order:
-                order.move_to_end(key)
+        """``key`` was used (a hit); keep it longer (a key not listed is left out)."""
+        try:
+            self._order.move_to_end(key)
+        except KeyError:
+            if key in self._unwritten:
+                self._unwritten.move_to_end(key)
 
     def remove(self, key: Hashable) -> None:
-        """``key`` is no longer evictable (pinned or deleted)."""
+        """``key`` leaves the policy (deleted, parked, or kept by a batch)."""
         if self._order.pop(key, 0) == 0:
             self._unwritten.pop(key, None)
 
@@ -92,7 +99,8 @@ class LruPolicy:
         return key in self._marks
 
     def victim(self) -> Optional[Hashable]:
-        """The key to evict next, or None when nothing can be evicted."""
+        """The key to evict next (unless the pool finds it pinned), or None when
+        nothing can be evicted."""
         if self._order or self.spare:
             return next(iter(self._order), None)
         return next(iter(self._unwritten), None)
@@ -123,7 +131,7 @@ class LruPolicy:
         return list(itertools.islice(itertools.chain(self._order, self._unwritten), n))
 
     def __contains__(self, key: Hashable) -> bool:
-        """Whether ``key`` is evictable now."""
+        """Whether ``key`` is listed and may be evicted now (``spare``), pins aside."""
         return key in self._order or (not self.spare and key in self._unwritten)
 
     def __len__(self) -> int:
