@@ -6,10 +6,14 @@ evict least recently used first, and stay within the capacity and each quota."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from ems.disk import index as index_module
 from ems.disk.index import DiskIndex, Location, Refusal, Reservation
 from ems.disk.records import ALIGN
 
@@ -160,3 +164,48 @@ def test_restore_scanned_keeps_the_newest_write_of_each_key(scans):
         assert index.lookup("a", key) == (model[key][1] if key in model else None)
     assert index.value_bytes("a") == sum(loc.size for _, loc in model.values())
     index.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 2**40 - 1),
+                                           st.integers(0, 2**64 - 1)),
+                                 min_size=1, max_size=6), min_size=1, max_size=6))
+def test_a_batch_commit_enters_the_same_entries_natively(batches):
+    """:meth:`DiskIndex.commit_batch` gives the same entries and value bytes whether
+    its loop runs in C (``ems._native.index_commit``, where built) or in Python,
+    replacing keys written before too."""
+    if index_module._native_commit is None:
+        pytest.skip("ems._native was not built")
+    got = []
+    for native in (index_module._native_commit, None):
+        idx = DiskIndex(1 << 40, 1 << 30)
+        seq = 1
+        with mock.patch.object(index_module, "_native_commit", native):
+            for batch in batches:
+                keys = [k for k, _, _ in batch]
+                sizes = [n for _, n, _ in batch]
+                res = idx.reserve("t", ALIGN)
+                assert isinstance(res, Reservation)
+                idx.commit_batch(res, keys, sizes, range(seq, seq + len(batch)),
+                                 [res.offset + 8 * i for i in range(len(batch))],
+                                 [s for _, _, s in batch])
+                seq += len(batch)
+        got.append((idx.entries("t"), idx.value_bytes("t")))
+    assert got[0] == got[1]
+    assert got[0][1] == sum(Location.unpack(p).size for p in got[0][0].values())
+
+
+def test_the_native_index_commit_refuses_before_it_changes_anything():
+    fn = index_module._native_commit
+    if fn is None:
+        pytest.skip("ems._native was not built")
+    entries: dict[str, int] = {}
+    for args, error in [((entries, [b"k"], [1], 1, [0], [0], 0), TypeError),
+                        ((entries, ["a", "k"], [1, 2**40], 1, [0, 0], [0, 0], 0), ValueError),
+                        ((entries, ["a", "k"], [1, 1], 1, [0, 2**40], [0, 0], 0), ValueError),
+                        ((entries, ["a"], [1], 2**48, [0], [0], 0), ValueError),
+                        ((entries, ["a"], [1, 2], 1, [0], [0], 0), ValueError),
+                        ((entries, ["a"], [1], 1, [0], [-1], 0), OverflowError)]:
+        with pytest.raises(error):
+            fn(*args)
+        assert entries == {}

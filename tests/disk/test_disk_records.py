@@ -456,3 +456,47 @@ def test_a_version_1_checkpoint_is_refused():
     raw[:8] = b"EMSCKPT1"  # ems 0.1's, its trailer right: refused by its magic alone
     struct.pack_into("<Q", raw, len(raw) - 8, xxhash.xxh3_64_intdigest(bytes(raw[:-8])))
     assert decode_checkpoint(bytes(raw)) is None
+
+
+@pytest.mark.parametrize("native", [True, False])
+@settings(max_examples=40, deadline=None)
+@given(tenant=names, vals=values, first=st.integers(0, 2**40), data=st.data())
+def test_encode_batch_is_the_head_and_the_checksums(native, tenant, vals, first, data):
+    """``encode_batch`` (one native call where built) gives the bytes of
+    ``encode_batch_head`` and the checksums of ``checksums``, for any batch."""
+    if native and records._native_encode_batch is None:
+        pytest.skip("ems._native was not built")
+    tb = tenant.encode()
+    kbs = [k.encode() for k in data.draw(st.lists(names, min_size=len(vals),
+                                                  max_size=len(vals)))]
+    views = [memoryview(v) for v in vals]
+    shape = layout(tb, kbs, [len(v) for v in vals])
+    seqs = list(range(first, first + len(vals)))
+    sums = [checksum(tb, kb, seq, v) for kb, seq, v in zip(kbs, seqs, views)]
+    want = encode_batch_head(tb, kbs, seqs, [len(v) for v in vals], sums, shape.offsets,
+                             shape.span)
+    with mock.patch.object(records, "_native_encode_batch",
+                           records._native_encode_batch if native else None):
+        head, got = records.encode_batch(tb, kbs, first, views, list(shape.offsets),
+                                         shape.span)
+    assert bytes(head) == bytes(want) and got == sums
+    raw = bytearray(shape.span)
+    raw[:len(head)] = head
+    for v, off in zip(vals, shape.offsets):
+        raw[off:off + len(v)] = v
+    assert _valid(bytes(raw), tenant) == [(k.decode(), v) for k, v in zip(kbs, vals)]
+
+
+def test_the_native_encode_batch_refuses_what_it_cannot_encode():
+    fn = records._native_encode_batch
+    if fn is None:
+        pytest.skip("ems._native was not built")
+    for args, error in [((b"t", ["k"], 1, [b"v"], [4096], 8192), TypeError),
+                        ((b"t", [b"k"], -1, [b"v"], [4096], 8192), OverflowError),
+                        ((b"t", [b"k"], 1, [b"v", b"w"], [4096], 8192), ValueError),
+                        ((b"t", [], 1, [], [], 8192), ValueError),
+                        ((b"t", [b"k"], 1, [b"v"], [2**32], 2**33), ValueError),
+                        ((b"t", [b"k"], 1, [b"v"], (4096,), 8192), TypeError),
+                        ((b"t", [b"k" * 70000], 1, [b"v"], [4096], 8192), TypeError)]:
+        with pytest.raises(error):
+            fn(*args)

@@ -31,10 +31,11 @@ reservation's offset stays pending until the last one.
 from __future__ import annotations
 
 import enum
+import importlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 from ems.disk.records import ALIGN
 
@@ -57,6 +58,25 @@ _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 def _pack(region: int, offset: int, size: int, seq: int, checksum: int) -> int:
     return ((region << _REGION_AT) | (offset << _OFFSET_AT) | (size << _SIZE_AT)
             | (seq << _SEQ_AT) | checksum)
+
+
+def _native_index_commit() -> Optional[Callable[..., int]]:
+    """``ems._native.index_commit`` where it was built with this module's bit layout."""
+    try:
+        native = importlib.import_module("ems._native")
+    except ImportError:  # pragma: no cover - no compiler at install
+        return None
+    if getattr(native, "INDEX_LAYOUT", None) != (_SEQ_AT, _SIZE_AT, _OFFSET_AT, _REGION_AT):
+        return None  # pragma: no cover - a stale build
+    return native.index_commit
+
+
+#: :meth:`DiskIndex.commit_batch`'s loop in C (None without the native helper): a
+#: writer's entries packed there, 0.58 -> 0.43 us an entry (batches of 256 into an index
+#: of 131,072 keys; five big-int operations per entry in Python), on a thread that
+#: shares the GIL with the daemon's loop; the same entries either way
+#: (``tests/disk/test_disk_index_model.py``)
+_native_commit = _native_index_commit()
 
 
 def _region_of(packed: int) -> int:
@@ -286,6 +306,14 @@ class DiskIndex:
         if last:
             r.pending.discard(res.offset)
         entries = self._entries.setdefault(res.tenant, {})
+        if (_native_commit is not None and type(seqs) is range and seqs.step == 1
+                and type(keys) is list and type(sizes) is list and type(offsets) is list
+                and type(checksums) is list):
+            delta = _native_commit(entries, keys, sizes, seqs.start, offsets, checksums,
+                                   res.region)
+            self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + delta
+            r.keys.extend(keys)
+            return
         region = res.region << _REGION_AT
         delta = 0
         for key, size, seq, offset, checksum in zip(keys, sizes, seqs, offsets, checksums):

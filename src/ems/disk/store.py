@@ -67,7 +67,7 @@ from ems.disk.records import (
     CheckpointRegion,
     CheckpointTenant,
     checksums,
-    encode_batch_head,
+    encode_batch,
     encode_checkpoint,
     layout,
     round_up,
@@ -724,8 +724,8 @@ class DiskStore:
         in one ``pwritev``; then every record enters the index at once."""
         seqs = range(first_seq, first_seq + len(batch.indexes))
         try:
-            sums = checksums(tb, batch.kbs, seqs, batch.views)
-            head = encode_batch_head(tb, batch.kbs, seqs, batch.lens, sums, offsets, span)
+            head, sums = encode_batch(tb, batch.kbs, first_seq, batch.views, list(offsets),
+                                      span)
             parts = [self._scratch.head(head, offsets[0])]
             at = offsets[0]
             for view, off, n in zip(batch.views, offsets, batch.lens):
