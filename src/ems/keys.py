@@ -88,6 +88,10 @@ class Request:
     #: a save's engine block hashes, one unsigned 64-bit int per key (for KV events:
     #: the protocol's ``hashes``), or None
     hashes: Optional[list[int]] = None
+    #: bytes of one slice of a save through ``ems-server`` (the next slice's Reserve in
+    #: flight while one is copied: ``RemoteTransport._save_reserved``), or None: slices
+    #: of the daemon's ``max_keys`` only, for a mover whose copy costs per call (V1's)
+    save_slice_bytes: Optional[int] = None
 
     @property
     def what(self) -> str:

@@ -257,11 +257,43 @@ def test_small_saves_go_in_one_step(cc, server, monkeypatch):
 
 
 def test_slices_of_a_large_save():
-    from ems.client.remote import _chunks
+    from ems.client.remote import _chunks, _slices
     assert _chunks(24, 8) == [(0, 8), (8, 16), (16, 24)]
     assert _chunks(10, 4096) == [(0, 10)]  # one request: one call of the mover
     assert _chunks(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert _chunks(0, 10) == []
+    mib = 1 << 20  # a V0 save: by bytes too (``Request.save_slice_bytes``)
+    assert _slices([mib] * 40, 4096, 16 * mib) == [(0, 16), (16, 32), (32, 40)]
+    assert _slices([mib] * 40, 10, 16 * mib) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert _slices([20 * mib, mib], 4096, 16 * mib) == [(0, 1), (1, 2)]  # one too large
+    assert _slices([], 4096, 16 * mib) == []
+
+
+def test_a_v0_save_goes_in_slices_of_bytes(cc, server, monkeypatch):
+    """40 x 1 MiB through V0: Reserves of 16, 16 and 8 MiB (``SAVE_SLICE_BYTES``), each
+    next one sent before the copy of the slice before it, one Commit; bit-exact."""
+    from ems.client.movers import SAVE_SLICE_BYTES
+
+    assert SAVE_SLICE_BYTES == 16 << 20
+    session = cc._transport._session
+    sent = record_sends(monkeypatch, session)
+    order: list[str] = []
+    copy = _copy.copy_bytes
+
+    def tracing(dst, src, n):
+        if not order or order[-1] != f"copy after {len(sent)} sends":
+            order.append(f"copy after {len(sent)} sends")
+        return copy(dst, src, n)
+    monkeypatch.setattr(_copy, "copy_bytes", tracing)
+    keys = [f"bytes-{i}" for i in range(40)]
+    assert save(cc, keys, 1 << 20).success == 40
+    assert sent == ["Reserve"] * 3 + ["Commit"]
+    assert order == ["copy after 2 sends", "copy after 3 sends"]
+    monkeypatch.setattr(_copy, "copy_bytes", copy)
+    outs = [Value(1 << 20) for _ in keys]
+    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 40
+    assert all(o.bytes() == pattern(k, 1 << 20) for k, o in zip(keys, outs))
+    assert anonymous_stats(server)["reserved"] == 0
 
 
 def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):

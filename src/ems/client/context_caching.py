@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import ems.keys as _keys
 from ems.client.layout import RegisteredLayout
-from ems.client.movers import V0Mover
+from ems.client.movers import SAVE_SLICE_BYTES, V0Mover
 from ems.client.transport import Transport
 from ems.config import (
     CcConfig,
@@ -270,7 +270,8 @@ class ContextCaching:
         option = validate_option(option, required=True)
         storage_keys = _keys.v0_storage_keys(key_list)
         regions, sizes = _keys.validate_buffers(value_list, len(storage_keys))
-        return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option)
+        return _keys.Request(op, storage_keys, sizes, V0Mover(regions), option,
+                             save_slice_bytes=SAVE_SLICE_BYTES)
 
     def _normalize_v1(self, op: str, args: tuple, kwargs: dict) -> _keys.Request:
         names = ("slot_mapping", "hashes", "offsets", "option", "chunk_descs")

@@ -23,7 +23,7 @@ from ems.client.segment import Segment
 from ems.client.staging import cut
 from ems.futures import Task
 
-__all__ = ["V0Mover"]
+__all__ = ["SAVE_SLICE_BYTES", "V0Mover"]
 
 #: bytes of V0 device runs per batched CUDA call; the deadline is checked between
 #: calls (~1.3 ms apart at the ~50 GB/s of a registered copy)
@@ -31,6 +31,17 @@ _DEVICE_BATCH = 64 << 20
 #: the most bytes of adjacent host buffers copied as one run (the deadline is checked
 #: before each run: ~0.5 ms apart at the ~8-10 GB/s of the test VM's copy)
 _HOST_RUN_BYTES = 4 << 20
+
+
+#: A V0 save through ``ems-server`` goes in slices of 16 MiB (``Request.save_slice_bytes``:
+#: the next one's Reserve in flight while one is copied), which costs its copy nothing
+#: per slice. Measured through ``ems-server --disk`` (1 GiB of 16 KiB values in saves of
+#: 32 MiB, four alternating triples): 66-69 thousand values a second in one slice of
+#: 2,048 keys, 69-72 in slices of 8 MiB, 71-76 in slices of 16; saves of 1 and 4 MiB
+#: values to shared memory alone unchanged (``ems bench --quick``, two pairs). (V1's
+#: mover plans and sorts a call's runs as a whole: 128 MiB V1 saves in slices of 16 MiB
+#: went 5.6-5.7 -> 4.7 GB/s, so V1 slices at ``max_keys`` only.)
+SAVE_SLICE_BYTES = 16 << 20
 
 
 class V0Mover:

@@ -120,32 +120,35 @@ _put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
 
 
 def _chunks(n: int, max_keys: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` slices of a save's ``n`` keys, ``max_keys`` each (the daemon's
-    limit per request); each is copied by one call of the request's mover.
-
-    Not smaller, though smaller slices would overlap more of the Reserve with the copy:
-    the V1 mover plans and sorts a call's runs as a whole, so more calls copy slower
-    (slices growing from 4 MiB cost V1 15-23% and gained V0 2-3%)."""
+    """``[lo, hi)`` slices of ``n`` keys, ``max_keys`` each (the daemon's limit per
+    request)."""
     return [(lo, min(n, lo + max_keys)) for lo in range(0, n, max_keys)]
 
 
-def _parts(sizes: Sequence[int], max_keys: int, part_bytes: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` parts of a load of keys of ``sizes``: at most ``max_keys`` keys and,
-    past the first key, at most ``part_bytes`` bytes each (an empty load: one part).
-
-    The last part of a load of several is cut smaller (:func:`_taper`): it is the one
-    copied after the disk's last read, so its copy is the load's tail."""
+def _slices(sizes: Sequence[int], max_keys: int, nbytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` slices of keys of ``sizes``: at most ``max_keys`` keys and, past the
+    first key, at most ``nbytes`` bytes each (no key: none)."""
     out: list[tuple[int, int]] = []
     lo = 0
     n = len(sizes)
     while lo < n:
         hi, total = lo + 1, sizes[lo]
         end = min(n, lo + max_keys)
-        while hi < end and total + sizes[hi] <= part_bytes:
+        while hi < end and total + sizes[hi] <= nbytes:
             total += sizes[hi]
             hi += 1
         out.append((lo, hi))
         lo = hi
+    return out
+
+
+def _parts(sizes: Sequence[int], max_keys: int, part_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` parts of a load of keys of ``sizes``: :func:`_slices` of
+    ``part_bytes`` (an empty load: one part).
+
+    The last part of a load of several is cut smaller (:func:`_taper`): it is the one
+    copied after the disk's last read, so its copy is the load's tail."""
+    out = _slices(sizes, max_keys, part_bytes)
     return _taper(out, sizes) if len(out) > 1 else out or [(0, 0)]
 
 
@@ -460,16 +463,18 @@ class RemoteTransport(Transport):
 
     def _save_reserved(self, session: Session, req: Request, task: Task, spin: bool
                        ) -> list[bool]:
-        """Reserve -> copy -> Commit. A save of more keys than the daemon takes in one
-        request goes in slices (:func:`_chunks`), slice k+1's Reserve in flight while
-        slice k's values are copied (the daemon's reservation work runs beside the
-        copy). The Commit of every key follows the task's last checkpoint
+        """Reserve -> copy -> Commit. A save goes in slices of at most the daemon's
+        ``max_keys`` and the request's ``save_slice_bytes`` (:func:`_slices`), slice k+1's
+        Reserve in flight while slice k's values are copied (the daemon's reservation
+        work runs beside the copy). The Commit of every key follows the task's last checkpoint
         (``decide``): nothing is visible before the call has decided to succeed. Per
         key whether it is stored (EXISTS and BUSY count)."""
         keys, sizes = list(req.keys), list(req.sizes)
         hashes = req.hashes
         wrc, out = _write_rcache(req.option), _write_out(req.option)
-        chunks = _chunks(len(keys), session.max_keys)
+        slice_bytes = req.save_slice_bytes
+        chunks = (_chunks(len(keys), session.max_keys) if slice_bytes is None
+                  else _slices(sizes, session.max_keys, slice_bytes)) or [(0, 0)]
 
         def reserve(lo: int, hi: int) -> _Flight:
             return self._send(lambda rid: _trimmed(m.Reserve.wire(
