@@ -181,6 +181,74 @@ static void checksums_any(const char *tenant, uint16_t tenant_len, const char *c
     ems_checksums_base(tenant, tenant_len, keys, klens, seqs, vals, vlens, n, out);
 }
 
+/* A batch's columns, hashed without the GIL: each record's key (bytes, held by the
+ * caller's copy of the list), its value's buffer (held until cols_free), its sequence
+ * number and, after cols_hash, its checksum. */
+typedef struct {
+    Py_ssize_t n, got;  /* records; values taken so far */
+    Py_buffer *bufs;
+    const char **kp;
+    const void **vp;
+    uint16_t *kl;
+    uint64_t *seq, *vl, *out;
+} Cols;
+
+static int cols_alloc(Cols *c, Py_ssize_t n) {
+    size_t m = n ? (size_t)n : 1;
+    c->n = n;
+    c->got = 0;
+    c->bufs = PyMem_Calloc(m, sizeof(Py_buffer));
+    c->kp = PyMem_Malloc(m * sizeof(char *));
+    c->vp = PyMem_Malloc(m * sizeof(void *));
+    c->kl = PyMem_Malloc(m * sizeof(uint16_t));
+    c->seq = PyMem_Malloc(m * sizeof(uint64_t));
+    c->vl = PyMem_Malloc(m * sizeof(uint64_t));
+    c->out = PyMem_Malloc(m * sizeof(uint64_t));
+    if (c->bufs == NULL || c->kp == NULL || c->vp == NULL || c->kl == NULL
+            || c->seq == NULL || c->vl == NULL || c->out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The next record's key (bytes of < 64 KiB) and value; -1 with an exception set. */
+static int cols_take(Cols *c, PyObject *key, PyObject *value, const char *fn) {
+    Py_ssize_t i = c->got;
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > 0xFFFF) {
+        PyErr_Format(PyExc_TypeError, "%s: keys must be bytes of < 64 KiB", fn);
+        return -1;
+    }
+    c->kp[i] = PyBytes_AS_STRING(key);
+    c->kl[i] = (uint16_t)PyBytes_GET_SIZE(key);
+    if (PyObject_GetBuffer(value, &c->bufs[i], PyBUF_SIMPLE) < 0)
+        return -1;
+    c->vp[i] = c->bufs[i].buf;
+    c->vl[i] = (uint64_t)c->bufs[i].len;
+    c->got++;
+    return 0;
+}
+
+static void cols_hash(Cols *c, PyObject *tenant) {
+    const char *tb = PyBytes_AS_STRING(tenant);
+    uint16_t tl = (uint16_t)PyBytes_GET_SIZE(tenant);
+    Py_BEGIN_ALLOW_THREADS
+    checksums_any(tb, tl, c->kp, c->kl, c->seq, c->vp, c->vl, c->n, c->out);
+    Py_END_ALLOW_THREADS
+}
+
+static void cols_free(Cols *c) {
+    for (Py_ssize_t i = 0; i < c->got; i++)
+        PyBuffer_Release(&c->bufs[i]);
+    PyMem_Free(c->bufs);
+    PyMem_Free((void *)c->kp);
+    PyMem_Free((void *)c->vp);
+    PyMem_Free(c->kl);
+    PyMem_Free(c->seq);
+    PyMem_Free(c->vl);
+    PyMem_Free(c->out);
+}
+
 /* checksums(tenant: bytes, keys: list[bytes], seqs: sequence of int, values: list of
  * buffers) -> list[int]: each record's checksum (_checksums.h), hashed without the GIL. */
 static PyObject *py_checksums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -196,73 +264,42 @@ static PyObject *py_checksums(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *keys = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
     if (keys == NULL)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys), got = 0;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
     PyObject *seqs = PySequence_Fast(args[2], "checksums: seqs must be a sequence");
     if (seqs == NULL) {
         Py_DECREF(keys);
         return NULL;
     }
     PyObject *result = NULL;
-    size_t m = n ? (size_t)n : 1;
-    Py_buffer *bufs = PyMem_Calloc(m, sizeof(Py_buffer));
-    const char **kp = PyMem_Malloc(m * sizeof(char *));
-    const void **vp = PyMem_Malloc(m * sizeof(void *));
-    uint16_t *kl = PyMem_Malloc(m * sizeof(uint16_t));
-    uint64_t *seq = PyMem_Malloc(m * sizeof(uint64_t));
-    uint64_t *vl = PyMem_Malloc(m * sizeof(uint64_t));
-    uint64_t *out = PyMem_Malloc(m * sizeof(uint64_t));
-    Py_ssize_t tl = PyBytes_GET_SIZE(tenant);
-    if (bufs == NULL || kp == NULL || vp == NULL || kl == NULL || seq == NULL || vl == NULL
-            || out == NULL) {
-        PyErr_NoMemory();
+    Cols c;
+    if (cols_alloc(&c, n) < 0)
         goto done;
-    }
     if (PyList_GET_SIZE(values) != n || PySequence_Fast_GET_SIZE(seqs) != n) {
         PyErr_SetString(PyExc_ValueError, "checksums: keys, seqs and values differ in length");
         goto done;
     }
-    if (tl > 0xFFFF) {
+    if (PyBytes_GET_SIZE(tenant) > 0xFFFF) {
         PyErr_SetString(PyExc_ValueError, "checksums: the tenant must be < 64 KiB");
         goto done;
     }
-    for (; got < n; got++) {
-        PyObject *k = PyList_GET_ITEM(keys, got);
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) > 0xFFFF) {
-            PyErr_SetString(PyExc_TypeError, "checksums: keys must be bytes of < 64 KiB");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        c.seq[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seqs, i));
+        if ((c.seq[i] == (uint64_t)-1 && PyErr_Occurred())
+                || cols_take(&c, PyList_GET_ITEM(keys, i), PyList_GET_ITEM(values, i),
+                             "checksums") < 0)
             goto done;
-        }
-        kp[got] = PyBytes_AS_STRING(k);  /* (bytes: immutable, held by the copy) */
-        kl[got] = (uint16_t)PyBytes_GET_SIZE(k);
-        seq[got] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seqs, got));
-        if (seq[got] == (uint64_t)-1 && PyErr_Occurred())
-            goto done;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(values, got), &bufs[got], PyBUF_SIMPLE) < 0)
-            goto done;
-        vp[got] = bufs[got].buf;
-        vl[got] = (uint64_t)bufs[got].len;
     }
-    const char *tb = PyBytes_AS_STRING(tenant);
-    Py_BEGIN_ALLOW_THREADS
-    checksums_any(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
-    Py_END_ALLOW_THREADS
+    cols_hash(&c, tenant);
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(out[i]);
+        PyObject *v = PyLong_FromUnsignedLongLong(c.out[i]);
         if (v == NULL)
             Py_CLEAR(result);
         else
             PyList_SET_ITEM(result, i, v);
     }
 done:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&bufs[i]);
-    PyMem_Free(bufs);
-    PyMem_Free(kp);
-    PyMem_Free(vp);
-    PyMem_Free(kl);
-    PyMem_Free(seq);
-    PyMem_Free(vl);
-    PyMem_Free(out);
+    cols_free(&c);
     Py_DECREF(seqs);
     Py_DECREF(keys);
     return result;
@@ -573,23 +610,15 @@ static PyObject *py_encode_batch(PyObject *self, PyObject *const *args, Py_ssize
     PyObject *keys = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
     if (keys == NULL)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys), got = 0, tl = PyBytes_GET_SIZE(tenant);
+    Py_ssize_t n = PyList_GET_SIZE(keys), tl = PyBytes_GET_SIZE(tenant);
     unsigned long long first = PyLong_AsUnsignedLongLong(args[2]);
     unsigned long long span = PyLong_AsUnsignedLongLong(args[5]);
     PyObject *result = NULL, *head = NULL, *sums = NULL;
-    size_t m = n ? (size_t)n : 1;
-    Py_buffer *bufs = PyMem_Calloc(m, sizeof(Py_buffer));
-    const char **kp = PyMem_Malloc(m * sizeof(char *));
-    const void **vp = PyMem_Malloc(m * sizeof(void *));
-    uint16_t *kl = PyMem_Malloc(m * sizeof(uint16_t));
-    uint64_t *seq = PyMem_Malloc(m * sizeof(uint64_t));
-    uint64_t *vl = PyMem_Malloc(m * sizeof(uint64_t));
-    uint64_t *off = PyMem_Malloc(m * sizeof(uint64_t));
-    uint64_t *out = PyMem_Malloc(m * sizeof(uint64_t));
-    if (PyErr_Occurred())
+    Cols c;
+    uint64_t *off = NULL;
+    if (cols_alloc(&c, n) < 0 || PyErr_Occurred())
         goto done;
-    if (bufs == NULL || kp == NULL || vp == NULL || kl == NULL || seq == NULL || vl == NULL
-            || off == NULL || out == NULL) {
+    if ((off = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(uint64_t))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -603,36 +632,25 @@ static PyObject *py_encode_batch(PyObject *self, PyObject *const *args, Py_ssize
         goto done;
     }
     uint64_t head_len = EMS_FIXED + (uint64_t)tl;
-    for (; got < n; got++) {
-        PyObject *k = PyList_GET_ITEM(keys, got);
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) > 0xFFFF) {
-            PyErr_SetString(PyExc_TypeError, "encode_batch: keys must be bytes of < 64 KiB");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        off[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(offsets, i));
+        if (off[i] == (uint64_t)-1 && PyErr_Occurred())
             goto done;
-        }
-        kp[got] = PyBytes_AS_STRING(k);  /* (bytes: immutable, held by the copy) */
-        kl[got] = (uint16_t)PyBytes_GET_SIZE(k);
-        head_len += EMS_ENTRY + kl[got];
-        seq[got] = first + (uint64_t)got;
-        off[got] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(offsets, got));
-        if (off[got] == (uint64_t)-1 && PyErr_Occurred())
-            goto done;
-        if (off[got] > 0xFFFFFFFFu) {
+        if (off[i] > 0xFFFFFFFFu) {
             PyErr_SetString(PyExc_ValueError, "encode_batch: an offset past 4 GiB");
             goto done;
         }
-        if (PyObject_GetBuffer(PyList_GET_ITEM(values, got), &bufs[got], PyBUF_SIMPLE) < 0)
+        c.seq[i] = first + (uint64_t)i;
+        if (cols_take(&c, PyList_GET_ITEM(keys, i), PyList_GET_ITEM(values, i),
+                      "encode_batch") < 0)
             goto done;
-        vp[got] = bufs[got].buf;
-        vl[got] = (uint64_t)bufs[got].len;
+        head_len += EMS_ENTRY + c.kl[i];
     }
     if (head_len > 0xFFFFFFFFu || n > 0xFFFFFFFF) {
         PyErr_SetString(PyExc_ValueError, "encode_batch: the head is too long");
         goto done;
     }
-    const char *tb = PyBytes_AS_STRING(tenant);
-    Py_BEGIN_ALLOW_THREADS
-    checksums_any(tb, (uint16_t)tl, kp, kl, seq, vp, vl, n, out);
-    Py_END_ALLOW_THREADS
+    cols_hash(&c, tenant);
     head = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)head_len);
     sums = PyList_New(n);
     if (head == NULL || sums == NULL)
@@ -649,18 +667,18 @@ static PyObject *py_encode_batch(PyObject *self, PyObject *const *args, Py_ssize
     memcpy(h + 16, &hl, 4);
     memcpy(h + 20, &sp, 8);
     memcpy(h + 28, &tl16, 2);
-    memcpy(h + EMS_FIXED, tb, (size_t)tl);
+    memcpy(h + EMS_FIXED, PyBytes_AS_STRING(tenant), (size_t)tl);
     unsigned char *e = h + EMS_FIXED + tl;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t o = (uint32_t)off[i];
         memcpy(e, &o, 4);
-        memcpy(e + 4, &seq[i], 8);
-        memcpy(e + 12, &vl[i], 8);
-        memcpy(e + 20, &out[i], 8);
-        memcpy(e + 28, &kl[i], 2);
-        memcpy(e + EMS_ENTRY, kp[i], kl[i]);
-        e += EMS_ENTRY + kl[i];
-        PyObject *v = PyLong_FromUnsignedLongLong(out[i]);
+        memcpy(e + 4, &c.seq[i], 8);
+        memcpy(e + 12, &c.vl[i], 8);
+        memcpy(e + 20, &c.out[i], 8);
+        memcpy(e + 28, &c.kl[i], 2);
+        memcpy(e + EMS_ENTRY, c.kp[i], c.kl[i]);
+        e += EMS_ENTRY + c.kl[i];
+        PyObject *v = PyLong_FromUnsignedLongLong(c.out[i]);
         if (v == NULL)
             goto done;
         PyList_SET_ITEM(sums, i, v);
@@ -669,10 +687,8 @@ static PyObject *py_encode_batch(PyObject *self, PyObject *const *args, Py_ssize
     memcpy(h + EMS_HCRC_AT, &crc, 4);
     result = PyTuple_Pack(2, head, sums);
 done:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&bufs[i]);
-    PyMem_Free(bufs); PyMem_Free(kp); PyMem_Free(vp); PyMem_Free(kl);
-    PyMem_Free(seq); PyMem_Free(vl); PyMem_Free(off); PyMem_Free(out);
+    cols_free(&c);
+    PyMem_Free(off);
     Py_XDECREF(head);
     Py_XDECREF(sums);
     Py_DECREF(keys);

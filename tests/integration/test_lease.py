@@ -269,56 +269,35 @@ def test_slices_of_a_large_save():
     assert _slices([], 4096, 16 * mib) == []
 
 
-def test_a_v0_save_goes_in_slices_of_bytes(cc, server, monkeypatch):
-    """40 x 1 MiB through V0: Reserves of 16, 16 and 8 MiB (``SAVE_SLICE_BYTES``), each
-    next one sent before the copy of the slice before it, one Commit; bit-exact."""
+@pytest.mark.parametrize("max_keys, n, commits", [(8, 24, 3), (None, 40, 1)])
+def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch, max_keys, n, commits):
+    """24 x 1 MiB in slices of 8 keys (the daemon's max_keys, made small), or 40 x 1 MiB
+    through V0 in slices of 16, 16 and 8 MiB (``SAVE_SLICE_BYTES``): three Reserves,
+    each next one sent before the copy of the slice before it, then the Commits (of
+    max_keys each) after the last copy; bit-exact."""
     from ems.client.movers import SAVE_SLICE_BYTES
 
     assert SAVE_SLICE_BYTES == 16 << 20
     session = cc._transport._session
+    if max_keys is not None:
+        monkeypatch.setattr(session, "max_keys", max_keys)
     sent = record_sends(monkeypatch, session)
     order: list[str] = []
     copy = _copy.copy_bytes
 
-    def tracing(dst, src, n):
+    def tracing(dst, src, size):
         if not order or order[-1] != f"copy after {len(sent)} sends":
             order.append(f"copy after {len(sent)} sends")
-        return copy(dst, src, n)
+        return copy(dst, src, size)
     monkeypatch.setattr(_copy, "copy_bytes", tracing)
-    keys = [f"bytes-{i}" for i in range(40)]
-    assert save(cc, keys, 1 << 20).success == 40
-    assert sent == ["Reserve"] * 3 + ["Commit"]
-    assert order == ["copy after 2 sends", "copy after 3 sends"]
-    monkeypatch.setattr(_copy, "copy_bytes", copy)
-    outs = [Value(1 << 20) for _ in keys]
-    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 40
-    assert all(o.bytes() == pattern(k, 1 << 20) for k, o in zip(keys, outs))
-    assert anonymous_stats(server)["reserved"] == 0
-
-
-def test_a_large_save_pipelines_its_reserves(cc, server, monkeypatch):
-    """24 x 1 MiB in slices of 8 keys (the daemon's max_keys, made small): three
-    Reserves, each next one sent before the copy of the slice before it, then the
-    Commits after the last copy; bit-exact."""
-    session = cc._transport._session
-    monkeypatch.setattr(session, "max_keys", 8)
-    sent = record_sends(monkeypatch, session)
-    order: list[str] = []
-    copy = _copy.copy_bytes
-
-    def tracing(dst, src, n):
-        if not order or order[-1] != f"copy after {len(sent)} sends":
-            order.append(f"copy after {len(sent)} sends")
-        return copy(dst, src, n)
-    monkeypatch.setattr(_copy, "copy_bytes", tracing)
-    keys = [f"big-{i}" for i in range(24)]
-    assert save(cc, keys, 1 << 20).success == 24
-    assert sent == ["Reserve"] * 3 + ["Commit"] * 3
+    keys = [f"big-{i}" for i in range(n)]
+    assert save(cc, keys, 1 << 20).success == n
+    assert sent == ["Reserve"] * 3 + ["Commit"] * commits
     # slice 1 copied with Reserve 2 out, slice 2 with Reserve 3 out, slice 3 after all
     assert order == ["copy after 2 sends", "copy after 3 sends"]
     monkeypatch.setattr(_copy, "copy_bytes", copy)
     outs = [Value(1 << 20) for _ in keys]
-    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == 24
+    assert cc.load(CcKvOption(), keys, [o.wrappers() for o in outs]).success == n
     assert all(o.bytes() == pattern(k, 1 << 20) for k, o in zip(keys, outs))
     assert anonymous_stats(server)["reserved"] == 0
 

@@ -908,16 +908,10 @@ class Pool:
 
     def _peek_victim(self) -> Optional[_Object]:
         """:meth:`_pop_victim` left in the policy (the pinned ones before it parked)."""
-        policy, objects = self._policy, self._objects
-        while True:
-            key = policy.victim()
-            if key is None:
-                return None
-            obj = objects[key]
-            if not obj.pins:
-                return obj
-            policy.remove(key)
-            obj.parked = True
+        obj = self._pop_victim()
+        if obj is not None:
+            self._policy.unpop(obj.key)
+        return obj
 
     def _unpark(self, obj: _Object) -> None:
         """The last pin of a parked object went: evictable again, the most recently
