@@ -204,3 +204,49 @@ def test_evictions_reach_the_tiers_that_listen(world):
         h.serve(session, m.Reserve, [i, [f"k{i}"], [400 << 10], True, None])
         h.serve(session, m.Commit, [i, [out.wires[-1][3][0]], 0])
     assert disk.evicted_keys == ["k0"]
+
+
+def test_commits_tell_the_tiers_each_key_with_its_size_and_hash(world):
+    """A save of the defaults is not remembered per key (its Commit takes the keys and
+    sizes from the pool); one with hashes is. Commits of either, alone, side by side
+    or in one request, tell the tiers every committed key once, in order, with its
+    size and its hash; a token that does not commit tells nothing."""
+    tenant, maps, session = world
+
+    class Recording(DictTier):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls: list[tuple[list[str], list[int], Optional[list], bool]] = []
+
+        def stored(self, tenant, keys, sizes, hashes=None, *, write_out=True) -> None:
+            self.calls.append((list(keys), list(sizes),
+                               None if hashes is None else list(hashes), write_out))
+
+    disk = Recording("disk", True, maps)
+    out = Replies()
+    h = _handlers([disk], out)
+
+    def reserve(rid, keys, sizes, hashes=None):
+        h.serve(session, m.Reserve, [rid, keys, sizes, True, hashes])
+        return out.wires[-1][3]  # the tokens
+
+    plain = reserve(1, ["a1", "a2"], [1000, 2000])
+    assert session.reservations == {}  # the defaults: nothing remembered
+    hashed = reserve(2, ["b1", "b2"], [3000, 4000], [7, 8])
+    assert len(session.reservations) == 2
+    h.serve(session, m.Commit, [3, plain, 0])  # beside the hashed save's reservations
+    assert out.wires[-1] == m.Committed.wire(rid=3, ok=[True, True])
+    assert [(k, n) for k, n, _, _ in disk.calls] == [(["a1", "a2"], [1000, 2000])]
+    h.serve(session, m.Commit, [4, hashed, 0])
+    assert disk.calls[-1] == (["b1", "b2"], [3000, 4000], [7, 8], True)
+    disk.calls.clear()
+    plain = reserve(5, ["c1"], [500])
+    hashed = reserve(6, ["d1"], [600], [9])
+    h.serve(session, m.Commit, [7, [hashed[0], 999, plain[0]], 0])  # one request, mixed
+    assert out.wires[-1] == m.Committed.wire(rid=7, ok=[True, False, True])
+    assert disk.calls == [(["d1", "c1"], [600, 500], [9, None], True)]
+    assert session.reservations == {}
+    disk.calls.clear()
+    plain = reserve(8, ["e1", "e2"], [700, 800])
+    h.serve(session, m.Commit, [9, plain, 0])  # nothing remembered at all: the pool's
+    assert disk.calls == [(["e1", "e2"], [700, 800], None, True)]

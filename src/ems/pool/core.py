@@ -358,9 +358,14 @@ class Pool:
                 self._policy.insert(key)
         return grants
 
-    def commit(self, tokens: Sequence[int], owner: Hashable = None) -> list[bool]:
-        """Make reserved objects visible. False for a token that expired or is foreign."""
+    def commit(self, tokens: Sequence[int], owner: Hashable = None,
+               stored: Optional[tuple[list[Hashable], list[int]]] = None) -> list[bool]:
+        """Make reserved objects visible. False for a token that expired or is foreign.
+        ``stored``: two lists that get the key and the size of each object committed, in
+        the order of ``tokens`` (the daemon's tiers are told of them)."""
         out = []
+        if stored is not None:
+            keys, sizes = stored
         for token in tokens:
             obj = self._reservations.get(token)
             if obj is None or obj.owner != owner:
@@ -375,6 +380,9 @@ class Pool:
             self._stored_bytes += obj.size
             self._policy.insert(obj.key)
             out.append(True)
+            if stored is not None:
+                keys.append(obj.key)
+                sizes.append(obj.size)
         return out
 
     def abort(self, tokens: Sequence[int], owner: Hashable = None) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Hashable, Optional, Protocol, Sequence, cast
 
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool.core import Grant, GrantStatus, Pin, Pool
@@ -260,7 +260,10 @@ class Handlers:
 
     def _granted(self, session: Session, rid: int, keys: list[str], grants: list[Grant],
                  write_rcache: bool, hashes: Optional[list[int]], write_out: bool) -> None:
-        if self._track:
+        # Only a save that is not of the defaults is remembered per key: a Commit takes
+        # the others' keys and sizes from the pool (a 16 KiB spill through a disk tier:
+        # a named tuple, a table entry and its removal per value, on the loop).
+        if self._track and (hashes is not None or not write_rcache or not write_out):
             mine = session.reservations
             for key, g, h in zip(keys, grants, itertools.repeat(None) if hashes is None
                                  else hashes):
@@ -278,19 +281,34 @@ class Handlers:
             self._reply(session, m.Committed.wire(rid=rid, ok=pool.commit(tokens, session.id)))
             return
         mine = session.reservations
+        got: list[Hashable] = []  # (the daemon's pool keys are str)
+        got_sizes: list[int] = []
+        if not mine:  # saves of the defaults only: the keys and sizes from the pool
+            ok = pool.commit(tokens, session.id, stored=(got, got_sizes))
+            if got:
+                self._stored(session.tenant, cast(list[str], got),  # type: ignore[arg-type]
+                             got_sizes)
+            self._reply(session, m.Committed.wire(rid=rid, ok=ok))
+            return
         entries = [mine.pop(t, None) for t in tokens]
         through = [i for i, e in enumerate(entries)
                    if e is not None and not e.write_rcache] if self._through else []
+        local: Sequence[int] = range(len(tokens))
+        ok = [False] * len(tokens)
         if through:
             sent = set(through)
-            local = [i for i in range(len(tokens)) if i not in sent]
-            ok = [False] * len(tokens)
-            for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id)):
-                ok[i] = good
-            new = [e for i in local if ok[i] and (e := entries[i]) is not None]
-        else:  # (every save without a tier that takes saves through: columns whole)
-            ok = pool.commit(tokens, session.id)
-            new = [e for e in itertools.compress(entries, ok) if e is not None]
+            local = [i for i in local if i not in sent]
+        for i, good in zip(local, pool.commit([tokens[i] for i in local], session.id,
+                                              stored=(got, got_sizes))):
+            ok[i] = good
+        done = iter(zip(cast(list[str], got), got_sizes))
+        new = []
+        for i in local:
+            if ok[i]:  # (a key saved with the defaults was not remembered: the pool's)
+                key, size = next(done)
+                e = entries[i]
+                new.append(e if e is not None else
+                           _new(Reservation, (key, 0, size, True, None, True)))
         if new:
             keys, _, sizes, _, hashes, outs = zip(*new)
             if len(set(outs)) == 1:  # (one save has one write_out: one call)
