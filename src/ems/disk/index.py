@@ -311,18 +311,17 @@ class DiskIndex:
                 and type(checksums) is list):
             delta = _native_commit(entries, keys, sizes, seqs.start, offsets, checksums,
                                    res.region)
-            self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + delta
-            r.keys.extend(keys)
-            return
-        region = res.region << _REGION_AT
-        delta = 0
-        for key, size, seq, offset, checksum in zip(keys, sizes, seqs, offsets, checksums):
-            old = entries.get(key)
-            if old is not None:
-                delta -= (old >> _SIZE_AT) & _SIZE_MASK
-            entries[key] = (region | (offset << _OFFSET_AT) | (size << _SIZE_AT)
-                            | (seq << _SEQ_AT) | checksum)
-            delta += size
+        else:
+            region = res.region << _REGION_AT
+            delta = 0
+            for key, size, seq, offset, checksum in zip(keys, sizes, seqs, offsets,
+                                                        checksums):
+                old = entries.get(key)
+                if old is not None:
+                    delta -= (old >> _SIZE_AT) & _SIZE_MASK
+                entries[key] = (region | (offset << _OFFSET_AT) | (size << _SIZE_AT)
+                                | (seq << _SEQ_AT) | checksum)
+                delta += size
         self._value_bytes[res.tenant] = self.value_bytes(res.tenant) + delta
         r.keys.extend(keys)
 
