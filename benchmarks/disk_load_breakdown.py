@@ -33,11 +33,7 @@ has them free (``--huge-pages``, as ``ems bench --disk-huge-pages``).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -47,19 +43,16 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 
 from ems.bench.disk import (
-    IO_THREADS,
+    Breakdown,
     Memory,
     RegionReads,
     _key,
     _TierDaemon,
-    choose_memory,
     paired_reads,
 )
-from ems.bench.report import commit
 from ems.bench.systems import touched
 from ems.client import remote
 from ems.client.movers import V0Mover
-from ems.server.config import HUGE_PAGES
 
 MiB = 1 << 20
 SIZES = (("1 MiB", 1 << 20), ("256 KiB", 256 << 10))
@@ -189,44 +182,23 @@ def measure(root: Path, name: str, size: int, total: int, shm: int, clock: Clock
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mib", type=int, default=1024, help="working set per size, MiB")
-    ap.add_argument("--shm-mib", type=int, default=256,
-                    help="the daemon's shared memory, MiB (loads are a quarter)")
-    ap.add_argument("--dir", default=None, help="directory on the disk (default: --out)")
-    ap.add_argument("--out", default=".", help="directory for disk_load_breakdown.json")
-    ap.add_argument("--huge-pages", choices=HUGE_PAGES, default="auto",
-                    help="the daemon's shared memory and the device reads' buffers in huge "
-                         "pages (as ems bench --disk-huge-pages)")
-    args = ap.parse_args(argv)
-    memory = choose_memory(args.huge_pages, args.shm_mib * MiB, IO_THREADS)
-    os.makedirs(args.out, exist_ok=True)
-    base = Path(args.dir or args.out) / "disk-load-breakdown.tmp"
-    base.mkdir(parents=True, exist_ok=True)
-    print(f"pages: {'huge' if memory.huge_pages else '4 KiB'}")
+    run = Breakdown(argv, __doc__.split("\n\n")[0], "disk_load_breakdown",
+                    "the daemon's shared memory and the device reads' buffers in huge "
+                    "pages (as ems bench --disk-huge-pages)")
+    print(f"pages: {'huge' if run.memory.huge_pages else '4 KiB'}")
     print("| values | parts of a load | first part ms | wait ms | copy ms | copies hidden | "
           "after the last answer ms | load GB/s | device GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    load0 = os.getloadavg()[0]
-    ems_at_start = commit()
     clock = Clock()
     try:
         for name, size in SIZES:
-            rows.append(measure(base, name, size, args.mib * MiB, args.shm_mib * MiB,
-                                clock, memory, print))
+            rows.append(measure(run.base, name, size, run.mib * MiB, run.shm_mib * MiB,
+                                clock, run.memory, print))
     finally:
         clock.close()
-        shutil.rmtree(base, ignore_errors=True)
-    path = os.path.join(args.out, "disk_load_breakdown.json")
-    # (the run's commit before the file is opened: an open JSON is a dirty tree)
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "argv": ["DIR" if a.startswith("/") else a for a in argv],
-           "ems": commit(since=ems_at_start), "mib": args.mib, "shm_mib": args.shm_mib,
-           "huge_pages": memory.huge_pages, "rows": rows,
-           "loadavg": {"start": load0, "end": os.getloadavg()[0]}}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+        run.remove()
+    path = run.write(rows)
     print(f"medians per load and per part; load average {os.getloadavg()[0]:.2f}; "
           f"wrote {path}")
     return 0

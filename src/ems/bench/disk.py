@@ -70,6 +70,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import datetime
+import json
 import mmap
 import os
 import shutil
@@ -83,7 +85,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ems.bench.report import guarded_run, write_json
+from ems.bench.report import commit, guarded_run, write_json
 from ems.bench.systems import EmsDaemon, EmsSystem, touched
 from ems.client.remote import server_report
 from ems.config import PoolSettings
@@ -104,7 +106,8 @@ from ems.server.config import HUGE_PAGES, DiskConfig
 from ems.server.tenants import huge_page_bytes, meminfo_kib
 from ems.testing.server import disk_after_recovery
 
-__all__ = ["SIZES", "RegionReads", "add_arguments", "case", "checkpoint_load", "device_limit",
+__all__ = ["SIZES", "Breakdown", "RegionReads", "add_arguments", "case", "checkpoint_load",
+           "device_limit",
            "limit_read_chunk", "main", "paired_reads", "region_write_limit", "run", "scan",
            "store_speed"]
 
@@ -582,6 +585,50 @@ class _TierDaemon:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the disk tier did not settle within {timeout_s} s: {d}")
             time.sleep(0.005)
+
+
+class Breakdown:
+    """The frame of a ``benchmarks/disk_*_breakdown.py`` script: ``ems bench --disk``'s
+    shapes as options (``--mib``, ``--shm-mib``, ``--dir``, ``--out``,
+    ``--huge-pages``), a work directory (:meth:`remove` it, whatever happened), and
+    the run's JSON (its date, arguments, commit, shapes, rows and load average)."""
+
+    def __init__(self, argv: Sequence[str], description: str, name: str,
+                 memory_help: str) -> None:
+        ap = argparse.ArgumentParser(description=description)
+        ap.add_argument("--mib", type=int, default=1024, help="working set per size, MiB")
+        ap.add_argument("--shm-mib", type=int, default=256,
+                        help="the daemon's shared memory, MiB (a quarter of it per "
+                             "save or load)")
+        ap.add_argument("--dir", default=None, help="directory on the disk (default: --out)")
+        ap.add_argument("--out", default=".", help=f"directory for {name}.json")
+        ap.add_argument("--huge-pages", choices=HUGE_PAGES, default="auto", help=memory_help)
+        args = ap.parse_args(argv)
+        self.argv, self.name = list(argv), name
+        self.mib, self.shm_mib, self.out = args.mib, args.shm_mib, args.out
+        self.memory = choose_memory(args.huge_pages, args.shm_mib * MiB, IO_THREADS)
+        os.makedirs(args.out, exist_ok=True)
+        #: the runs' directory
+        self.base = Path(args.dir or args.out) / f"{name.replace('_', '-')}.tmp"
+        self.base.mkdir(parents=True, exist_ok=True)
+        self._load0 = os.getloadavg()[0]
+        self._ems = commit()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def write(self, rows: list[dict[str, Any]], **fields: Any) -> str:
+        """Write the JSON (the commit taken before the file is opened: an open JSON is
+        a dirty tree); its path."""
+        path = os.path.join(self.out, f"{self.name}.json")
+        out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "argv": ["DIR" if a.startswith("/") else a for a in self.argv],
+               "ems": commit(since=self._ems), "mib": self.mib, "shm_mib": self.shm_mib,
+               "huge_pages": self.memory.huge_pages, **fields, "rows": rows,
+               "loadavg": {"start": self._load0, "end": os.getloadavg()[0]}}
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        return path
 
 
 def _cpu_s(pid: int) -> float:
