@@ -9,7 +9,8 @@ page; everything else on the page is written by hand. The sources: ``docs/bench.
 (``benchmarks/vllm_ttft.py``), ``docs/control-propagation.json``
 (``benchmarks/control_propagation.py``), ``docs/bench-disk.json`` (``ems bench --disk
 --out DIR`` writes ``DIR/bench-disk.json``), ``docs/disk_load_breakdown.json``
-(``benchmarks/disk_load_breakdown.py``), ``docs/disk_backpressure.json``
+(``benchmarks/disk_load_breakdown.py``), ``docs/disk_spill_breakdown.json``
+(``benchmarks/disk_spill_breakdown.py``), ``docs/disk_backpressure.json``
 (``benchmarks/disk_backpressure.py``), ``docs/vllm_ttft_hybrid.json``
 (``benchmarks/vllm_ttft.py --arch gemma3``), ``docs/kv_events.json``
 (``benchmarks/kv_events_rate.py``), ``docs/netns.json`` (``benchmarks/netns_bench.py``),
@@ -322,6 +323,36 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def disk_spill_breakdown(d: dict[str, Any]) -> str:
+    commit = _commit(d["ems"])
+    pages = "huge pages" if d["huge_pages"] else "4 KiB pages"
+    out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
+           f"benchmarks/disk_spill_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
+           f"per value size saved through {d['shm_mib']} MiB of shared memory ({pages}) "
+           f"by one client, on {d['cpus']} CPUs; load average "
+           f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
+           "| values | spill | device busy | requests in flight | reserve waits | copies | "
+           "commit wait | client's own | after the saves | CPU: client / daemon loop / "
+           "daemon threads |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        busy = "–" if r["device_busy"] is None else f"{100 * r['device_busy']:.0f} %"
+        depth = "–" if r["device_depth"] is None else f"{r['device_depth']:.1f}"
+        out.append(f"| {r['name']} | {r['spill_gbps']:.2f} GB/s ({r['values_per_s']:,.0f} "
+                   f"a second) | {busy} | {depth} | {r['reserve_wait_us']:.1f} µs | "
+                   f"{r['copy_us']:.1f} µs | {r['commit_wait_us']:.1f} µs | "
+                   f"{r['client_own_us']:.1f} µs | {r['after_saves_ms']:.0f} ms | "
+                   f"{r['client_cpu_us']:.1f} / {r['daemon_loop_cpu_us']:.1f} / "
+                   f"{r['daemon_threads_cpu_us']:.1f} µs |")
+    out += ["", "Per value saved, the run's sums divided by its values. Reserve waits, "
+            "copies, commit wait and the client's own work make up the client's save "
+            "calls, one after the other; after the saves: until nothing waits or runs for "
+            "the disk. Device busy: the share of the run with a request in flight; "
+            "requests in flight: their average number (the block device's `io_ticks` and "
+            "`time_in_queue`). The daemon's threads are its disk writers, mostly."]
+    return "\n".join(out)
+
+
 def disk_backpressure(d: dict[str, Any]) -> str:
     commit = _commit(d["ems"])
     out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
@@ -466,6 +497,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "disk-recovery": ("bench-disk.json", disk_recovery),
     "disk-targets": ("bench-disk.json", disk_targets),
     "disk-load-breakdown": ("disk_load_breakdown.json", disk_load_breakdown),
+    "disk-spill-breakdown": ("disk_spill_breakdown.json", disk_spill_breakdown),
     "disk-backpressure": ("disk_backpressure.json", disk_backpressure),
     "vllm-ttft-hybrid": ("vllm_ttft_hybrid.json", vllm_ttft),
     "kv-events": ("kv_events.json", kv_events),
