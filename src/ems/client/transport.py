@@ -76,16 +76,19 @@ def two_phase_save(req: Request, task: Task,
         if tokens:
             abort(handle, tokens)
         raise
-    return stored(slots, new, commit(handle, tokens, task) if tokens else [])
+    return stored([s.status for s in slots], new,
+                  commit(handle, tokens, task) if tokens else [])
 
 
-def stored(slots: Sequence[Slot], new: Sequence[int], committed: Sequence[bool]
+def stored(statuses: Sequence[int], new: Sequence[int], committed: Sequence[bool]
            ) -> list[bool]:
-    """Per key of a reserve-copy-commit save whether it is stored: EXISTS and BUSY
-    count; a NEW key (``slots[new[j]]``) if its commit did (``committed[j]``)."""
+    """Per key of a reserve-copy-commit save whether it is stored, from its grant's
+    status (a :class:`GrantStatus` or its value on the wire): EXISTS and BUSY count; a
+    NEW key (``statuses[new[j]]``) if its commit did (``committed[j]``)."""
+    if len(new) == len(statuses) and all(committed):  # (a save of new blocks, all done)
+        return [True] * len(statuses)
     done = dict(zip(new, committed))
-    return [s.status is _EXISTS or s.status is _BUSY or done.get(i, False)
-            for i, s in enumerate(slots)]
+    return [s == _EXISTS or s == _BUSY or done.get(i, False) for i, s in enumerate(statuses)]
 
 
 class Transport(abc.ABC):
