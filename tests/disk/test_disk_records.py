@@ -37,6 +37,7 @@ from ems.disk.records import (
     record_checksum,
     record_span,
 )
+from ems.disk.settings import DiskSettings
 
 names = st.text(min_size=0, max_size=40)
 values = st.lists(st.one_of(st.binary(max_size=3000),
@@ -394,9 +395,10 @@ def test_names_longer_than_a_head_block_are_refused():
 
 
 def test_the_heads_of_a_full_write_buffer_of_16_kib_values_are_under_1_percent():
-    keys = [f"{i:064x}" for i in range(256)]  # V1-like hashes
+    n = DiskSettings.write_buffer_bytes // (16 << 10)  # (the default's records)
+    keys = [f"{i:064x}" for i in range(n)]  # V1-like hashes
     shape = layout(b"tenant", [k.encode() for k in keys], [16 << 10] * len(keys))
-    values_bytes = 256 * (16 << 10)
+    values_bytes = n * (16 << 10)
     assert (shape.span - values_bytes) / shape.span < 0.01
 
 

@@ -20,8 +20,8 @@ buffer, one I/O), each starting at a multiple of :data:`ALIGN`::
   KV block of 16 KiB-1 MiB always does); any other value follows the previous one at 8
   bytes. The batch's end is rounded up to ``ALIGN`` (``span``), so the next batch is
   aligned: the padding is per batch, never per record. A head of 64 records of 16 KiB
-  with 64-byte keys is ~6 KiB, one 8 KiB pad: 0.8 % of the batch's 1 MiB; 256 records
-  (the default 4 MiB write buffer) 0.6 %. The format version 1 of ems 0.1 gave every
+  with 64-byte keys is ~6 KiB, one 8 KiB pad: 0.8 % of the batch's 1 MiB; 512 records
+  (the default 8 MiB write buffer) 0.6 %. The format version 1 of ems 0.1 gave every
   record a 4 KiB header block (25 % of a 16 KiB value).
 * ``hcrc`` is a CRC-32 of the head's ``head_len`` bytes with ``hcrc`` zeroed: a scan
   rejects garbage (a torn or never-written block, the middle of a value) from the head

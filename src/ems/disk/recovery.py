@@ -67,8 +67,8 @@ _SUFFIX = ".region"
 #: bytes a scan reads per pread (records inside are parsed from memory)
 SCAN_READ_BYTES = 8 << 20
 #: a scan reads on from a head when fewer bytes than this are left in its buffer (a
-#: longer head is read again whole: a full 4 MiB write buffer of 16 KiB values has a
-#: head of ~25 KiB)
+#: longer head is read again whole: a full 8 MiB write buffer of 16 KiB values with
+#: 64-byte keys has a head of ~48 KiB)
 HEAD_WINDOW = 64 << 10
 #: region files scanned at once: their reads (from the device after a power cut) and
 #: their native steps side by side. 100,000 records of 4 KiB saved alone, scanned with

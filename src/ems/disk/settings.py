@@ -31,10 +31,18 @@ class DiskSettings:
     #: the most bytes one read's pread moves (a read checks its deadline between them)
     chunk_bytes: int = 1 << 20
     #: the most bytes of values one write buffer packs into one batch, one pwritev (a
-    #: larger value goes alone). 4 MiB: 256 records of 16 KiB per I/O, their heads and
-    #: padding 0.6 % of the bytes written (``ems bench --disk``), and a region of 64 MiB
-    #: wastes at most one buffer at its end
-    write_buffer_bytes: int = 4 << 20
+    #: larger value goes alone). 8 MiB: 512 records of 16 KiB per I/O, their heads and
+    #: padding about 0.6 % of the bytes written; a region of 64 MiB ends at most one
+    #: buffer short. Each batch costs a writer its own steps (a reservation, a head, a
+    #: lock, its wake-ups for the interpreter lock around the checksums and the
+    #: ``pwritev``): measured on the 2-vCPU VM, ``ems-server --disk`` spilling 1 GiB
+    #: through 256 MiB, three alternating runs of each: 16 KiB values 68-70 thousand a
+    #: second with buffers of 4 MiB, 61-72 with 6 MiB, 71-75 with 8 MiB (the daemon's
+    #: CPU 13.4-14.2 -> 12.4-13.0 us a value) and 66-70 with 16 MiB (a save of 32 MiB
+    #: is then two writes); 1 MiB values 1.53-1.80 -> 1.64-1.91 GB/s (five runs), 256
+    #: KiB values 1.73-1.75 -> 1.89-1.91 (two runs); the device's own writes of 4 and
+    #: 8 MiB alike (1.6-2.0 GB/s)
+    write_buffer_bytes: int = 8 << 20
     #: test hook: every pread/pwrite of the I/O layer sleeps this long first
     io_delay_s: float = 0.0
 

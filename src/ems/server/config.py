@@ -249,7 +249,7 @@ class DiskConfig:
         "evicts at once", Number(0, 60000), default=100.0)
     write_buffer_bytes: int = setting(
         "bytes of values packed into one write (one pwritev, one batch head; a multiple "
-        "of 4096, below 4G)", Size(), default=4 << 20, key="write_buffer")
+        "of 4096, below 4G)", Size(), default=8 << 20, key="write_buffer")
     quotas_bytes: Mapping[str, int] = table(
         "a tenant's disk bytes", Size(), key="quotas", check_key=_disk_tenant,
         shown="its share of the pool's capacity, of the disk's")
