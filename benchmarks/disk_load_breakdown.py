@@ -185,19 +185,13 @@ def main(argv: list[str]) -> int:
     run = Breakdown(argv, __doc__.split("\n\n")[0], "disk_load_breakdown",
                     "the daemon's shared memory and the device reads' buffers in huge "
                     "pages (as ems bench --disk-huge-pages)")
-    print(f"pages: {'huge' if run.memory.huge_pages else '4 KiB'}")
-    print("| values | parts of a load | first part ms | wait ms | copy ms | copies hidden | "
-          "after the last answer ms | load GB/s | device GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    rows = []
+    run.print_table_head(
+        ["values", "parts of a load", "first part ms", "wait ms", "copy ms", "copies hidden",
+         "after the last answer ms", "load GB/s", "device GB/s"],
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|")
     clock = Clock()
-    try:
-        for name, size in SIZES:
-            rows.append(measure(run.base, name, size, run.mib * MiB, run.shm_mib * MiB,
-                                clock, run.memory, print))
-    finally:
-        clock.close()
-        run.remove()
+    rows = run.measure(SIZES, lambda root, name, size, total, shm: measure(
+        root, name, size, total, shm, clock, run.memory, print), clock.close)
     path = run.write(rows)
     print(f"medians per load and per part; load average {os.getloadavg()[0]:.2f}; "
           f"wrote {path}")

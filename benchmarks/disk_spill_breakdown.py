@@ -220,20 +220,14 @@ def main(argv: list[str]) -> int:
     run = Breakdown(argv, __doc__.split("\n\n")[0], "disk_spill_breakdown",
                     "the daemon's shared memory in huge pages (as ems bench "
                     "--disk-huge-pages)")
-    print(f"pages: {'huge' if run.memory.huge_pages else '4 KiB'}")
-    print("| values | values/s | GB/s | device busy | device depth | reserve waits us | "
-          "copies us | commit wait us | client's own us | after the saves ms | "
-          "CPU us: client / daemon loop / daemon threads |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    rows = []
+    run.print_table_head(
+        ["values", "values/s", "GB/s", "device busy", "device depth", "reserve waits us",
+         "copies us", "commit wait us", "client's own us", "after the saves ms",
+         "CPU us: client / daemon loop / daemon threads"],
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     clock = Clock()
-    try:
-        for name, size in SIZES:
-            rows.append(measure(run.base, name, size, run.mib * MiB, run.shm_mib * MiB,
-                                clock, run.memory, print))
-    finally:
-        clock.close()
-        run.remove()
+    rows = run.measure(SIZES, lambda root, name, size, total, shm: measure(
+        root, name, size, total, shm, clock, run.memory, print), clock.close)
     path = run.write(rows, cpus=os.cpu_count())
     print(f"per value saved; load average {os.getloadavg()[0]:.2f}; wrote {path}")
     return 0

@@ -292,15 +292,21 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 
 
-def disk_load_breakdown(d: dict[str, Any]) -> str:
-    commit = _commit(d["ems"])
+def _breakdown_run(d: dict[str, Any], script: str, what: str) -> str:
+    """The line above a breakdown's table: its run, and ``what`` it measured (its
+    ``{shm}``: the shared memory, then its pages, a parenthesis left open)."""
     pages = "huge pages" if d["huge_pages"] else "4 KiB pages"
-    out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
-           f"benchmarks/disk_load_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
-           f"per value size through {d['shm_mib']} MiB of shared memory ({pages}, and so "
-           f"are the device reads' buffers), every object loaded back from the disk "
-           f"after a restart; load average "
-           f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
+    shm = f"{d['shm_mib']} MiB of shared memory ({pages}"
+    return (f"Run of {d['date'][:10]} at commit {_commit(d['ems'])}, `python "
+            f"benchmarks/{script}.py {' '.join(d['argv'])}`: {d['mib']} MiB per value "
+            f"size {what.format(shm=shm)}; load average {d['loadavg']['start']:.1f} / "
+            f"{d['loadavg']['end']:.1f} (start / end).")
+
+
+def disk_load_breakdown(d: dict[str, Any]) -> str:
+    out = [_breakdown_run(d, "disk_load_breakdown", "through {shm}, and so are the "
+                          "device reads' buffers), every object loaded back from the "
+                          "disk after a restart"), "",
            "| values | a load | its parts | first part | wait for a later part | "
            "copy of a part | copies hidden behind a read | after the last answer | load | "
            "device read beside it |",
@@ -324,13 +330,8 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
 
 
 def disk_spill_breakdown(d: dict[str, Any]) -> str:
-    commit = _commit(d["ems"])
-    pages = "huge pages" if d["huge_pages"] else "4 KiB pages"
-    out = [f"Run of {d['date'][:10]} at commit {commit}, `python "
-           f"benchmarks/disk_spill_breakdown.py {' '.join(d['argv'])}`: {d['mib']} MiB "
-           f"per value size saved through {d['shm_mib']} MiB of shared memory ({pages}) "
-           f"by one client, on {d['cpus']} CPUs; load average "
-           f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).", "",
+    out = [_breakdown_run(d, "disk_spill_breakdown", f"saved through {{shm}}) by one "
+                          f"client, on {d['cpus']} CPUs"), "",
            "| values | spill | device busy | requests in flight | reserve waits | copies | "
            "commit wait | client's own | after the saves | CPU: client / daemon loop / "
            "daemon threads |",

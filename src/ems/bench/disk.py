@@ -617,6 +617,27 @@ class Breakdown:
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
 
+    def print_table_head(self, columns: Sequence[str], rule: str) -> None:
+        """The pages' kind, then the printed table's header (``columns``) and ``rule``."""
+        print(f"pages: {'huge' if self.memory.huge_pages else '4 KiB'}")
+        print(f"| {' | '.join(columns)} |")
+        print(rule)
+
+    def measure(self, sizes: Sequence[tuple[str, int]],
+                one: Callable[[Path, str, int, int, int], dict[str, Any]],
+                close: Callable[[], None]) -> list[dict[str, Any]]:
+        """``one(work directory, name, size, working set, shared memory)`` of each of
+        ``sizes``, its rows; then ``close()`` and the work directory removed, whatever
+        happened."""
+        rows = []
+        try:
+            for name, size in sizes:
+                rows.append(one(self.base, name, size, self.mib * MiB, self.shm_mib * MiB))
+        finally:
+            close()
+            self.remove()
+        return rows
+
     def write(self, rows: list[dict[str, Any]], **fields: Any) -> str:
         """Write the JSON (the commit taken before the file is opened: an open JSON is
         a dirty tree); its path."""
