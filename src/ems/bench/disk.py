@@ -107,9 +107,8 @@ from ems.server.tenants import huge_page_bytes, meminfo_kib
 from ems.testing.server import disk_after_recovery
 
 __all__ = ["SIZES", "Breakdown", "RegionReads", "add_arguments", "case", "checkpoint_load",
-           "device_limit",
-           "limit_read_chunk", "main", "paired_reads", "region_write_limit", "run", "scan",
-           "store_speed"]
+           "device_limit", "limit_read_chunk", "main", "paired_reads", "region_write_limit",
+           "run", "scan", "store_speed"]
 
 MiB = 1 << 20
 #: (name, value bytes) of the measured cases
