@@ -28,6 +28,7 @@ process, so a fresh ``EmsStorage``; pages of 16 tokens, a 512-token shared prefi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -61,6 +62,30 @@ def _run(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> int:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+#: where SGLang's engines leave what they do not remove: a shared memory file of its
+#: scheduler's loads (``sglang_loads_*``, 16 KiB) and multiprocessing semaphores
+#: (``sem.mp-*``) per engine, three of each per run of this module, accumulating in
+#: memory from run to run
+SHM_DIR = "/dev/shm"
+_LEFT_BEHIND = ("sglang_", "sem.mp-")
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _remove_left_behind(before: set[str]) -> None:
+    """Once the engines' processes are gone: remove what they left in ``SHM_DIR`` since
+    ``before`` (the names SGLang's engines leave; nothing else is touched)."""
+    for name in _shm_names() - before:
+        if name.startswith(_LEFT_BEHIND):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
 
 
 def _tail(path: str, n: int = 80) -> str:
@@ -159,6 +184,7 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         with open(spec_path, "w") as f:
             json.dump({"engines": specs}, f)
         t0 = time.monotonic()
+        shm_before = _shm_names()
         with open(log, "ab") as logf:
             proc = subprocess.Popen(
                 [venv_python, os.path.join(HERE, "engine_run.py"), spec_path, out_path],
@@ -181,6 +207,7 @@ def runs(venv_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            _remove_left_behind(shm_before)
         with open(out_path) as f:
             engines = {e["name"]: e for e in json.load(f)["engines"]}
     with open(log, errors="replace") as f:
