@@ -113,8 +113,6 @@ _TTL_SHARE = 0.8
 _NEW = GrantStatus.NEW
 #: the grant statuses a daemon may answer (their values on the wire)
 _KNOWN_STATUSES = frozenset(int(g) for g in GrantStatus)
-#: a named tuple made from all its fields without its ``__new__``'s call
-_new = tuple.__new__
 #: The hot requests go out in their wire form, built by name (``Cls.wire``): no object.
 _put_wire, _acquire_wire = m.Put.wire, m.Acquire.wire
 
