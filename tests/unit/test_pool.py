@@ -54,6 +54,23 @@ def test_lru_policy_order():
     assert lru.pop_victim() is None and lru.victim() is None and len(lru) == 0
 
 
+def test_insert_all_is_insert_of_each_key_in_order():
+    def orders(lru: LruPolicy) -> tuple[list, list]:
+        return list(lru._order), list(lru._unwritten)
+
+    for batch in (["x", "y"], ["x", "b", "y"], ["y", "a"]):  # fresh; one listed; marked
+        one, many = LruPolicy(), LruPolicy()
+        for lru in (one, many):
+            for k in "abc":
+                lru.insert(k)
+            if batch == ["y", "a"]:
+                lru.mark_all(["a"], True)
+        for k in batch:
+            one.insert(k)
+        many.insert_all(batch)
+        assert orders(many) == orders(one)
+
+
 # ----------------------------------------------------------------- writes and reads
 
 def test_reserve_commit_acquire_release(pool):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Optional, Sequence
 
 __all__ = ["LruPolicy"]
 
@@ -50,6 +50,16 @@ class LruPolicy:
             order.move_to_end(key)
         else:  # (a new key goes to the end by itself)
             order[key] = None
+
+    def insert_all(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`insert` of each of ``keys``, in order: one ``update`` at C speed where
+        none is marked or listed (a commit's fresh keys, the usual case)."""
+        order = self._order
+        if not self._marks and order.keys().isdisjoint(keys):
+            order.update(dict.fromkeys(keys))
+            return
+        for key in keys:
+            self.insert(key)
 
     def touch(self, key: Hashable) -> None:
         """``key`` was used (a hit); keep it longer (a key not listed is left out)."""
