@@ -110,6 +110,20 @@ class IndexMachine(RuleBasedStateMachine):
             self._move_to_end(loc.region)
 
     @rule(tenant=st.sampled_from(TENANTS),
+          asked=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, ALIGN)),
+                         max_size=4))
+    def held(self, tenant, asked):
+        want = []
+        for key, size in asked:
+            loc = self.written.get((tenant, key))
+            want.append(loc is not None and loc.region not in self.evicted
+                        and loc.size == size)
+        got = self.index.held(tenant, [k for k, _ in asked], [n for _, n in asked])
+        assert (got or [False] * len(asked)) == want
+        if got is None:  # none of the keys is mapped at all
+            assert all(self.index.lookup(tenant, k) is None for k, _ in asked)
+
+    @rule(tenant=st.sampled_from(TENANTS),
           quota=st.one_of(st.none(), st.integers(1, 4).map(lambda n: n * REGION)))
     def set_quota(self, tenant, quota):
         self.index.set_quota(tenant, quota)

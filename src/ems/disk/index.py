@@ -193,11 +193,17 @@ class DiskIndex:
         packed = self._entries.get(tenant, {}).get(key)
         return None if packed is None else (packed >> _SIZE_AT) & _SIZE_MASK
 
-    def sizes(self, tenant: str, keys: Sequence[str]) -> list[Optional[int]]:
-        """:meth:`size_of` of each of ``keys``."""
-        entries = self._entries.get(tenant, {})
-        return [None if p is None else (p >> _SIZE_AT) & _SIZE_MASK
-                for p in map(entries.get, keys)]
+    def held(self, tenant: str, keys: Sequence[str], sizes: Sequence[int]
+             ) -> Optional[list[bool]]:
+        """Per key whether the index maps it to a value of its size in ``sizes``; None
+        when it maps none of ``keys`` (a writer's batch of new blocks, the usual case:
+        one pass at C speed, ``isdisjoint``, where a list of sizes and one of
+        comparisons cost a 16 KiB spill ~0.4 us of the interpreter lock a value)."""
+        entries = self._entries.get(tenant)
+        if not entries or entries.keys().isdisjoint(keys):
+            return None
+        return [p is not None and (p >> _SIZE_AT) & _SIZE_MASK == n
+                for p, n in zip(map(entries.get, keys), sizes)]
 
     def objects(self, tenant: Optional[str] = None) -> int:
         if tenant is not None:

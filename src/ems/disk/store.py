@@ -670,9 +670,8 @@ class DiskStore:
         with self._lock:
             if self._state is not DiskState.OK:
                 return
-            held = [size == n for size, n in zip(self._index.sizes(tenant, batch.keys),
-                                                batch.lens)]
-            if any(held):
+            held = self._index.held(tenant, batch.keys, batch.lens)
+            if held is not None and any(held):
                 for i, h in zip(batch.indexes, held):
                     if h:
                         results[i] = WriteResult.EXISTS

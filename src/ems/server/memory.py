@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+from typing import Sequence
 
 from ems.server.tenants import Tenant
 
@@ -68,7 +69,14 @@ class SegmentMaps:
             pass
 
     def view(self, tenant: Tenant, offset: int, size: int) -> memoryview:
-        """``size`` bytes of ``tenant``'s memory at ``offset`` (release it when done).
+        """:meth:`views` of one range."""
+        return self.views(tenant, (offset,), (size,))[0]
+
+    def views(self, tenant: Tenant, offsets: Sequence[int], sizes: Sequence[int]
+              ) -> list[memoryview]:
+        """``sizes[i]`` bytes of ``tenant``'s memory at ``offsets[i]``, each (release
+        them when done). One call a batch: a writer of a 16 KiB spill made a call per
+        value, about 0.1 us of the interpreter lock each.
 
         Keyed by the segment's random id, never by ``id(tenant)``: a tenant removed by
         the control plane and a new one at the same address must not share a mapping.
@@ -77,7 +85,8 @@ class SegmentMaps:
         entry = self._maps.get(tenant.segment_id)
         if entry is None:
             entry = self._entry(tenant)
-        return entry[1][offset:offset + size]
+        whole = entry[1]
+        return [whole[offset:offset + size] for offset, size in zip(offsets, sizes)]
 
     def _entry(self, tenant: Tenant) -> tuple[mmap.mmap, memoryview]:
         with self._lock:

@@ -530,10 +530,9 @@ class TierDriver(Tier):
             outcomes: list[ReadOutcome]
             views: list[memoryview] = []
             try:
-                view = self._memory.view
-                for i in indexes:
-                    grant = reserved[i].grant
-                    views.append(view(tenant, grant.offset, grant.size))
+                grants = [reserved[i].grant for i in indexes]
+                views = self._memory.views(tenant, [g.offset for g in grants],
+                                           [g.size for g in grants])
                 outcomes = engine.read_batch(tenant, [  # (``_new``: a Target per value)
                     _new(Target, (reserved[i].key, v, None)) for i, v in zip(indexes, views)],
                     engine_deadline)
@@ -793,8 +792,7 @@ class TierDriver(Tier):
             views: list[memoryview] = []
             outcomes: list[Written]
             try:
-                view = self._memory.view
-                views = [view(tenant, o, n) for o, n in zip(offsets, sizes)]
+                views = self._memory.views(tenant, offsets, sizes)
                 outcomes = engine.write_batch(tenant, [  # (``_new``: a Target per value)
                     _new(Target, t) for t in zip(keys, views, itertools.repeat(None)
                                                  if hashes is None else hashes)],
