@@ -529,7 +529,7 @@ def test_a_batch_of_back_to_back_records_is_read_in_one_transfer(tmp_path):
     size = 64 * KiB
     keys = [f"k{i}" for i in range(8)]
     values = [value_of(k, size) for k in keys]
-    assert store.write_batch("t", list(zip(keys, map(memoryview, values)))) == \
+    assert store.write_batch("t", keys, list(map(memoryview, values))) == \
         [WriteResult.WRITTEN] * 8
     arena = mmap.mmap(-1, 9 * size)
     views = [memoryview(arena)[i * size:(i + 1) * size] for i in range(9)]
@@ -575,8 +575,8 @@ def test_a_batch_read_agrees_with_reads_one_by_one(asks):
         assert store.wait_recovered(30)
         keys = [f"k{i}" for i in range(20)]  # k20..k23: never stored
         for lo in range(0, 20, 5):  # four saves of five (a region holds ~15)
-            store.write_batch("t", [(k, memoryview(value_of(k, size)))
-                                    for k in keys[lo:lo + 5]])
+            store.write_batch("t", keys[lo:lo + 5],
+                              [memoryview(value_of(k, size)) for k in keys[lo:lo + 5]])
         arena = mmap.mmap(-1, 15 * size)
         views = [memoryview(arena)[i * size:(i + 1) * size] for i in range(15)]
         try:
@@ -630,8 +630,8 @@ def test_small_saves_that_wait_together_are_written_as_one_batch(tmp_path):
     results: dict[str, list[WriteResult]] = {}
 
     def save(name: str, tenant: str = "t") -> None:
-        results[name] = store.write_batch(tenant, [(k, value_of(k, size))
-                                                   for k in saves[name]])
+        results[name] = store.write_batch(tenant, saves[name],
+                                          [value_of(k, size) for k in saves[name]])
 
     threads: list[threading.Thread] = []
     try:

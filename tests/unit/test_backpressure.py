@@ -21,7 +21,7 @@ from ems.server.config import Limits
 from ems.server.handlers import Handlers
 from ems.server.session import Session
 from ems.server.tenants import Tenant, TenantSpec
-from ems.server.tier_driver import WRITTEN, DriverSettings, Engine, Target, TierDriver, Written
+from ems.server.tier_driver import WRITTEN, DriverSettings, Engine, Sources, TierDriver, Written
 from ems.testing.clock import FakeClock, FakeLoop
 
 BLOCK = 4096
@@ -68,11 +68,11 @@ class GatedEngine(Engine):
                ) -> list[int]:
         return []  # (holds nothing the driver needs to skip)
 
-    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
+    def write_batch(self, tenant: Tenant, sources: Sources,
                     deadline: Optional[float]) -> list[Written]:
         assert self.gate.acquire(timeout=10), "the test never opened the gate"
-        self.written += [s.key for s in sources]
-        return [WRITTEN] * len(sources)
+        self.written += sources.keys
+        return [WRITTEN] * len(sources.keys)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from ems.server.tier_driver import (
     Engine,
     ReadOutcome,
     SecondHit,
+    Sources,
     Target,
     TierDriver,
     Written,
@@ -412,15 +413,15 @@ class ChunkEngine(DictEngine):
         self.running = self.most = 0
         self._lock = threading.Lock()
 
-    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
+    def write_batch(self, tenant: Tenant, sources: Sources,
                     deadline: Optional[float]) -> list[Written]:
         with self._lock:
-            self.batches.append([s.key for s in sources])
+            self.batches.append(list(sources.keys))
             self.running += 1
             self.most = max(self.most, self.running)
         try:
             assert self.write_gate.wait(10)
-            return [self.write(tenant, s, deadline) for s in sources]
+            return [self.write(tenant, t, deadline) for t in sources.targets()]
         finally:
             with self._lock:
                 self.running -= 1

@@ -376,8 +376,8 @@ def store_speed(root: Path, size: int, count: int, threads: int) -> dict[str, An
 
     def put(t: int, b: int) -> None:
         ids = range(b * per, min(count, (b + 1) * per))
-        got = store.write_batch("bench", [(_key(size, i), slots[t * per + n])
-                                          for n, i in enumerate(ids)])
+        got = store.write_batch("bench", [_key(size, i) for i in ids],
+                                slots[t * per:t * per + len(ids)])
         if any(r is not WriteResult.WRITTEN for r in got):
             raise RuntimeError("write refused")
 
@@ -502,8 +502,10 @@ def scan(root: Path, records: int, threads: int, per_save: int = 1) -> dict[str,
     store.wait_recovered(60)
     value = memoryview(bytes(4096))
     saves = -(-records // per_save)
-    _parallel(threads, saves, lambda t, s: store.write_batch("bench", [
-        (f"{i:064x}", value) for i in range(s * per_save, min(records, (s + 1) * per_save))]))
+    def save(s: int) -> None:
+        ids = range(s * per_save, min(records, (s + 1) * per_save))
+        store.write_batch("bench", [f"{i:064x}" for i in ids], [value] * len(ids))
+    _parallel(threads, saves, lambda t, s: save(s))
     batches = store.statistics().batches_written  # fewer than saves: group commit
     store.close(clean=False)
     os.unlink(path / CHECKPOINT)

@@ -53,10 +53,13 @@ import enum
 import errno
 import logging
 import mmap
+import operator
 import os
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from bisect import bisect_right
+from itertools import accumulate
+from typing import Callable, NamedTuple, Optional, Sequence, Union, cast
 
 from ems.disk.index import DiskIndex, Evicted, Location, Refusal, Reservation, columns
 from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct, replace_file
@@ -117,6 +120,13 @@ class ReadResult(enum.Enum):
     IO_ERROR = "io_error"
     TIMEOUT = "timeout"  # the deadline passed; the buffer may hold part of the value
     OFF = "off"
+
+
+#: a batch's values, checked at C speed: all memoryviews; each one flat bytes
+_VIEW = {memoryview}
+_SHAPE = operator.attrgetter("format", "ndim")
+_FLAT = {("B", 1)}
+_NBYTES = operator.attrgetter("nbytes")
 
 
 class _Run:
@@ -485,39 +495,43 @@ class DiskStore:
     def write(self, tenant: str, key: str, value: Union[memoryview, bytes, bytearray]
               ) -> WriteResult:
         """:meth:`write_batch` of one value (a batch of one: a one-block head)."""
-        return self.write_batch(tenant, [(key, value)])[0]
+        return self.write_batch(tenant, [key], [value])[0]
 
-    def write_batch(self, tenant: str,
-                    items: Sequence[tuple[str, Union[memoryview, bytes, bytearray]]]
+    def write_batch(self, tenant: str, keys: Sequence[str],
+                    values: Sequence[Union[memoryview, bytes, bytearray]]
                     ) -> list[WriteResult]:
-        """Append records holding the (key, value) ``items`` (blocking), packed into
-        batches of at most ``write_buffer_bytes``, each one ``pwritev`` gathered from
-        the values where they lie (no copy); a key is in the index once its batch's
-        write returned (its bytes are in the file: durable at the next checkpoint),
-        never before, so a read never sees a record still being written. Never raises
-        for a disk condition. Waits for recovery first (it must know the sequence
-        numbers). A key given twice is written once (the first; ``EXISTS`` after), and
-        so is a key the index holds with a value of that size already (``EXISTS``).
+        """Append records holding each key's value (blocking), packed into batches of
+        at most ``write_buffer_bytes``, each one ``pwritev`` gathered from the values
+        where they lie (no copy); a key is in the index once its batch's write returned
+        (its bytes are in the file: durable at the next checkpoint), never before, so a
+        read never sees a record still being written. Never raises for a disk
+        condition. Waits for recovery first (it must know the sequence numbers). A key
+        given twice is written once (the first; ``EXISTS`` after), and so is a key the
+        index holds with a value of that size already (``EXISTS``).
 
         Per record this is a few steps of Python (a key encoded once, a checksum, a
-        head entry, an index entry, each in one comprehension or loop over the batch's
-        columns; duplicates and long names are looked for per record only when the
-        batch has some): what a save of small blocks spills per second is bounded by
-        it (``ems bench --disk``, 16 KiB values)."""
-        results = [WriteResult.OFF] * len(items)
-        if not self._opened or not items:
+        head entry, an index entry, each in one comprehension or call over the batch's
+        columns; duplicates, long names and values that are not flat bytes are looked
+        for per record only when the batch has some): the daemon's writers share its
+        interpreter lock with its loop, and what a save of small blocks spills per
+        second is bounded by it (``ems bench --disk``, 16 KiB values)."""
+        results = [WriteResult.OFF] * len(keys)
+        if not self._opened or not keys:
             return results
+        if len(values) != len(keys):
+            raise ValueError(f"write_batch: {len(keys)} keys, {len(values)} values")
         self._recovered.wait()
         t0 = self._clock()
         tb = tenant.encode()
         room = MAX_NAME_BYTES - len(tb)
-        keys = [key for key, _ in items]
+        keys = list(keys)
         kbs = [key.encode() for key in keys]
-        views = [value if type(value) is memoryview else memoryview(value)
-                 for _, value in items]
-        if any(v.format != "B" or v.ndim != 1 for v in views):
+        views: list[memoryview] = (
+            cast(list[memoryview], list(values)) if set(map(type, values)) == _VIEW else
+            [v if type(v) is memoryview else memoryview(v) for v in values])
+        if set(map(_SHAPE, views)) != _FLAT:  # (rare) a view of other items or shape
             views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        indexes = list(range(len(items)))
+        indexes = list(range(len(keys)))
         if len(set(keys)) < len(keys) or max(map(len, kbs)) > room:  # (rare) the refusals
             keep = []
             seen: set[str] = set()
@@ -533,27 +547,23 @@ class DiskStore:
             keys = [keys[i] for i in keep]
             kbs = [kbs[i] for i in keep]
             views = [views[i] for i in keep]
-        lens = [v.nbytes for v in views]
+        lens = list(map(_NBYTES, views))
         if not indexes or self._state is not DiskState.OK or not self._alive():
             return results
         cap = self.settings.write_buffer_bytes
-        spans = [-(-n // ALIGN) * ALIGN for n in lens]
-        total = sum(spans)
+        ends = list(accumulate(-(-n // ALIGN) * ALIGN for n in lens))  # (blocks' ends)
+        total = ends[-1]
         if total <= cap // GROUP_SHARE:
             self._write_grouped(tenant, tb, _Waiting(_Batch(indexes, keys, kbs, views, lens),
                                                      results, total))
-        else:
-            start = filled = 0
-            for j, span in enumerate(spans):  # cut into write buffers
-                if j > start and filled + span > cap:
-                    self._write_one_batch(tenant, tb, _Batch(
-                        indexes[start:j], keys[start:j], kbs[start:j], views[start:j],
-                        lens[start:j]), results)
-                    start, filled = j, 0
-                filled += span
-            self._write_one_batch(tenant, tb, _Batch(indexes[start:], keys[start:],
-                                                     kbs[start:], views[start:], lens[start:]),
-                                  results)
+        else:  # cut into write buffers: as many values as fit, one at least
+            start = base = 0
+            while start < len(ends):
+                j = max(start + 1, bisect_right(ends, base + cap, start))
+                self._write_one_batch(tenant, tb, _Batch(
+                    indexes[start:j], keys[start:j], kbs[start:j], views[start:j],
+                    lens[start:j]), results)
+                start, base = j, ends[j - 1]
         if WriteResult.WRITTEN in results:
             self._write_lat.add(self._clock() - t0)
         return results

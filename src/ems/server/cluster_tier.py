@@ -90,6 +90,7 @@ from ems.server.tier_driver import (
     DriverStatistics,
     Engine,
     ReadOutcome,
+    Sources,
     Target,
     TierDriver,
     Written,
@@ -154,26 +155,27 @@ class ClusterEngine(Engine):
     def read(self, tenant: Tenant, target: Target, deadline: float) -> ReadOutcome:
         return self.read_batch(tenant, [target], deadline)[0]
 
-    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
-                    deadline: Optional[float]) -> list[Written]:
+    def write_batch(self, tenant: Tenant, sources: Sources, deadline: Optional[float]
+                    ) -> list[Written]:
         """SET each key from its memory (header and value, no copy)."""
         ops = []
-        for s in sources:
-            ck = cluster_key(tenant.name, s.key)
-            ops.append(Op("set", ck, parts=[value.header(ck, s.memory), s.memory]))
+        for key, memory in zip(sources.keys, sources.memories):
+            ck = cluster_key(tenant.name, key)
+            ops.append(Op("set", ck, parts=[value.header(ck, memory), memory]))
         assert deadline is not None  # the driver's write_out_s / max_op_s
         self.client.run(ops, deadline)
         if self.events is not None:
-            took = [s for s, op in zip(sources, ops) if op.ok]
+            took = [t for t, op in zip(sources.targets(), ops) if op.ok]
             if took:
-                hashes = [s.hash for s in took]
+                hashes = [t.hash for t in took]
                 self.events.tier_stored(
-                    tenant.name, [s.key for s in took], MEDIUM,
+                    tenant.name, [t.key for t in took], MEDIUM,
                     hashes if any(h is not None for h in hashes) else None)
         return [WRITTEN if op.ok else _FAILED for op in ops]
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
-        return self.write_batch(tenant, [source], deadline)[0]
+        return self.write_batch(tenant, Sources([source.key], [source.memory],
+                                                [source.hash]), deadline)[0]
 
     def statistics(self, books: DriverStatistics) -> ClusterTierRow:
         """The tier's counters of all tenants together."""

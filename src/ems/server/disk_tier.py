@@ -88,6 +88,7 @@ from ems.server.tier_driver import (
     Engine,
     ReadOutcome,
     SecondHit,
+    Sources,
     Target,
     TierDriver,
     Written,
@@ -106,6 +107,10 @@ _WARN = {WriteResult.QUOTA: "a tenant's disk share is full and nothing of it can
                             "evicted: not admitted (counted)",
          WriteResult.BUDGET: "the disk's write budget for today is spent "
                              "(disk.write_budget): not admitted (counted)"}
+
+#: the driver's outcome of each of the store's results
+_OUTCOME = {r: WRITTEN if r is WriteResult.WRITTEN else HELD if r is WriteResult.EXISTS
+            else Written(False, r.value, _WARN.get(r)) for r in WriteResult}
 
 
 class DiskEngine(Engine):
@@ -178,21 +183,22 @@ class DiskEngine(Engine):
         return [_READ.get(r, ReadOutcome.MISS) for r in results]
 
     def write(self, tenant: Tenant, source: Target, deadline: Optional[float]) -> Written:
-        return self.write_batch(tenant, [source], deadline)[0]
+        return self.write_batch(tenant, Sources([source.key], [source.memory]), deadline)[0]
 
-    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
-                    deadline: Optional[float]) -> list[Written]:
+    def write_batch(self, tenant: Tenant, sources: Sources, deadline: Optional[float]
+                    ) -> list[Written]:
         """The sources packed into the store's write buffers; ``BlockStored`` for the
         keys whose batch's write returned (the meaning of WRITTEN, as for one record)."""
-        results = self.store.write_batch(tenant.name, [(s.key, s.memory) for s in sources])
+        keys = sources.keys
+        results = self.store.write_batch(tenant.name, keys, sources.memories)
         if self.events is not None:
-            stored = [s.key for s, r in zip(sources, results) if r is WriteResult.WRITTEN]
+            stored = (keys if results.count(WriteResult.WRITTEN) == len(results) else
+                      [k for k, r in zip(keys, results) if r is WriteResult.WRITTEN])
             if stored:
                 self.events.tier_stored(tenant.name, stored, MEDIUM)
                 if self.keeper is not None:
                     self.keeper.changed()
-        return [WRITTEN if r is WriteResult.WRITTEN else HELD if r is WriteResult.EXISTS
-                else Written(False, r.value, _WARN.get(r)) for r in results]
+        return list(map(_OUTCOME.__getitem__, results))
 
     def _removed(self, tenant: str, keys: Sequence[str]) -> None:
         assert self.events is not None

@@ -89,7 +89,7 @@ from ems.server.tenants import Tenant
 from ems.server.tiers import Extent, Loop, MetricFamily, Tier, TierCounters
 
 __all__ = ["HELD", "Admission", "AdmitAll", "DriverSettings", "DriverStatistics", "Engine",
-           "ReadOutcome", "SecondHit", "Target", "TierDriver", "Written", "leading"]
+           "ReadOutcome", "SecondHit", "Sources", "Target", "TierDriver", "Written", "leading"]
 
 _Row = TypeVar("_Row", bound=TierRow)
 #: a named tuple made without its ``__new__``'s call (``ems.pool.core._new``)
@@ -141,6 +141,23 @@ class Target(NamedTuple):
     key: str
     memory: memoryview
     hash: Optional[int] = None
+
+
+class Sources(NamedTuple):
+    """A write-out's values as columns: each key, the memory its value is written from,
+    and the engine's block hash of each (a save written through: KV events), or None.
+    Columns, not a :class:`Target` per value: a 16 KiB spill's writer made a Target
+    per value and the disk engine a pair of it again, ~0.2 us a value of the
+    interpreter lock the daemon's loop shares."""
+
+    keys: Sequence[str]
+    memories: Sequence[memoryview]
+    hashes: Optional[Sequence[Optional[int]]] = None
+
+    def targets(self) -> list[Target]:
+        """A :class:`Target` per value (an engine that writes one at a time)."""
+        hashes = itertools.repeat(None) if self.hashes is None else self.hashes
+        return [_new(Target, t) for t in zip(self.keys, self.memories, hashes)]
 
 
 class Admission:
@@ -253,9 +270,10 @@ class Engine:
         written) where the engine holds the key with a value of that size already."""
         return Written(False, "unsupported")
 
-    def write_batch(self, tenant: Tenant, sources: Sequence[Target],
-                    deadline: Optional[float]) -> list[Written]:
-        return [self.write(tenant, s, deadline) for s in sources]
+    def write_batch(self, tenant: Tenant, sources: Sources, deadline: Optional[float]
+                    ) -> list[Written]:
+        """:meth:`write` of each of ``sources`` (one outcome per key, in order)."""
+        return [self.write(tenant, t, deadline) for t in sources.targets()]
 
     def report(self, books: DriverStatistics) -> Optional[WireRow]:
         """The tier's part of the daemon's report, from the driver's ``books``."""
@@ -793,10 +811,8 @@ class TierDriver(Tier):
             outcomes: list[Written]
             try:
                 views = self._memory.views(tenant, offsets, sizes)
-                outcomes = engine.write_batch(tenant, [  # (``_new``: a Target per value)
-                    _new(Target, t) for t in zip(keys, views, itertools.repeat(None)
-                                                 if hashes is None else hashes)],
-                    engine_deadline)
+                outcomes = engine.write_batch(tenant, Sources(keys, views, hashes),
+                                              engine_deadline)
             except SegmentGone:  # the tenant was deleted meanwhile, its saves with it
                 outcomes = [Written(False, "tenant_deleted")] * len(keys)
             except Exception:  # noqa: BLE001 - a bug is a write not done
@@ -813,16 +829,19 @@ class TierDriver(Tier):
             # lock and updates two Counters): the writes summed in two ints, the
             # refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
-            writes = bytes_out = 0
-            for w, n in zip(outcomes, sizes):
-                if w.stored:
-                    if w is not HELD:
-                        writes += 1
-                        bytes_out += n
-                else:
-                    counts[f"refused_{w.reason}"] += 1
-                    if w.warning:
-                        self._warn(w.reason, w.warning)
+            writes = outcomes.count(WRITTEN)  # (at C speed: every one, usually)
+            bytes_out = sum(sizes) if writes == len(outcomes) else 0
+            if not bytes_out:
+                writes = 0
+                for w, n in zip(outcomes, sizes):
+                    if w.stored:
+                        if w is not HELD:
+                            writes += 1
+                            bytes_out += n
+                    else:
+                        counts[f"refused_{w.reason}"] += 1
+                        if w.warning:
+                            self._warn(w.reason, w.warning)
             if writes:
                 counts.update(writes=writes, bytes_out=bytes_out)
             self._counters.add(tenant, **counts)
