@@ -66,6 +66,7 @@ from ems.disk.io import LOCAL, FileSystem, RegionFile, probe_direct, replace_fil
 from ems.disk.records import (
     ALIGN,
     MAX_NAME_BYTES,
+    BatchLayout,
     Checkpoint,
     CheckpointRegion,
     CheckpointTenant,
@@ -716,8 +717,7 @@ class DiskStore:
                 assert failed is not None
                 result = self._write_failed(res, failed)
             else:
-                result = self._write_records(f, res, tb, shape.offsets, shape.span, first_seq,
-                                             batch)
+                result = self._write_records(f, res, tb, shape, first_seq, batch)
             for i in batch.indexes:
                 results[i] = result
         finally:
@@ -725,23 +725,28 @@ class DiskStore:
                 self._in_flight -= 1
                 self._idle.notify_all()
 
-    def _write_records(self, f: RegionFile, res: Reservation, tb: bytes,
-                       offsets: Sequence[int], span: int, first_seq: int, batch: _Batch
-                       ) -> WriteResult:
-        """One batch: its head, then each value at its offset, zeros between and up to
-        ``span`` (none when every length is a multiple of ALIGN: then it goes O_DIRECT),
-        in one ``pwritev``; then every record enters the index at once."""
+    def _write_records(self, f: RegionFile, res: Reservation, tb: bytes, shape: BatchLayout,
+                       first_seq: int, batch: _Batch) -> WriteResult:
+        """One batch: its head, then each value at its offset in ``shape``, zeros
+        between and up to its span (none when every length is a multiple of ALIGN: then
+        it goes O_DIRECT), in one ``pwritev``; then every record enters the index at
+        once."""
+        offsets, span = shape.offsets, shape.span
         seqs = range(first_seq, first_seq + len(batch.indexes))
         try:
             head, sums = encode_batch(tb, batch.kbs, first_seq, batch.views, list(offsets),
                                       span)
             parts = [self._scratch.head(head, offsets[0])]
-            at = offsets[0]
-            for view, off, n in zip(batch.views, offsets, batch.lens):
-                if off > at:
-                    parts.append(_ZEROS[:off - at])
-                parts.append(view)
-                at = off + n
+            if shape.packed:  # (whole blocks: the values back to back)
+                parts += batch.views
+                at = offsets[-1] + batch.lens[-1]
+            else:
+                at = offsets[0]
+                for view, off, n in zip(batch.views, offsets, batch.lens):
+                    if off > at:
+                        parts.append(_ZEROS[:off - at])
+                    parts.append(view)
+                    at = off + n
             if span > at:
                 parts.append(_ZEROS[:span - at])
             direct = f.write(parts, res.offset)
