@@ -830,9 +830,10 @@ class TierDriver(Tier):
             # refusals by reason.
             counts: collections.Counter[str] = collections.Counter()
             writes = outcomes.count(WRITTEN)  # (at C speed: every one, usually)
-            bytes_out = sum(sizes) if writes == len(outcomes) else 0
-            if not bytes_out:
-                writes = 0
+            if writes == len(outcomes):
+                bytes_out = sum(sizes)
+            else:
+                writes = bytes_out = 0
                 for w, n in zip(outcomes, sizes):
                     if w.stored:
                         if w is not HELD:
