@@ -293,20 +293,20 @@ def disk_targets(d: dict[str, Any]) -> str:
 
 
 def _breakdown_run(d: dict[str, Any], script: str, what: str) -> str:
-    """The line above a breakdown's table: its run, and ``what`` it measured (its
-    ``{shm}``: the shared memory, then its pages, a parenthesis left open)."""
+    """The line above a breakdown's table: its run, and ``what`` it measured (in it,
+    ``{shm}`` is the shared memory and ``{pages}`` its pages)."""
     pages = "huge pages" if d["huge_pages"] else "4 KiB pages"
-    shm = f"{d['shm_mib']} MiB of shared memory ({pages}"
+    shm = f"{d['shm_mib']} MiB of shared memory"
     return (f"Run of {d['date'][:10]} at commit {_commit(d['ems'])}, `python "
             f"benchmarks/{script}.py {' '.join(d['argv'])}`: {d['mib']} MiB per value "
-            f"size {what.format(shm=shm)}; load average {d['loadavg']['start']:.1f} / "
-            f"{d['loadavg']['end']:.1f} (start / end).")
+            f"size {what.format(shm=shm, pages=pages)}; load average "
+            f"{d['loadavg']['start']:.1f} / {d['loadavg']['end']:.1f} (start / end).")
 
 
 def disk_load_breakdown(d: dict[str, Any]) -> str:
-    out = [_breakdown_run(d, "disk_load_breakdown", "through {shm}, and so are the "
-                          "device reads' buffers), every object loaded back from the "
-                          "disk after a restart"), "",
+    out = [_breakdown_run(d, "disk_load_breakdown", "through {shm} ({pages}, and so "
+                          "are the device reads' buffers), every object loaded back "
+                          "from the disk after a restart"), "",
            "| values | a load | its parts | first part | wait for a later part | "
            "copy of a part | copies hidden behind a read | after the last answer | load | "
            "device read beside it |",
@@ -330,8 +330,8 @@ def disk_load_breakdown(d: dict[str, Any]) -> str:
 
 
 def disk_spill_breakdown(d: dict[str, Any]) -> str:
-    out = [_breakdown_run(d, "disk_spill_breakdown", f"saved through {{shm}}) by one "
-                          f"client, on {d['cpus']} CPUs"), "",
+    out = [_breakdown_run(d, "disk_spill_breakdown", f"saved through {{shm}} ({{pages}}) "
+                          f"by one client, on {d['cpus']} CPUs"), "",
            "| values | spill | device busy | requests in flight | reserve waits | copies | "
            "commit wait | client's own | after the saves | CPU: client / daemon loop / "
            "daemon threads |",
