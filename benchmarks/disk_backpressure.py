@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--block-bytes", type=int, default=16 << 10)
     ap.add_argument("--delays", default="0,40", help="disk.io_delay_ms values, comma list "
                     "(40: 8 writers of a save each, slower than the client's saves)")
-    ap.add_argument("--waits", default="0,100", help="disk.save_wait_ms values, comma list")
+    ap.add_argument("--waits", default="0,1000",
+                    help="disk.save_wait_ms values, comma list (1000: the default)")
     ap.add_argument("--out", type=Path, default=Path("."), help="where the JSON goes")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]

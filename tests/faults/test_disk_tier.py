@@ -279,6 +279,41 @@ def test_a_slow_disk_keeps_the_deadline_and_no_byte_arrives_late(make_server, wo
         Ems.finalize()
 
 
+def test_a_save_waits_for_the_disk_within_its_own_deadline(make_server, client_env, tmp_path,
+                                                           figures):
+    """Back-pressure bounded by the save's deadline: shared memory full of objects a
+    slow disk has not written, a save of 400 ms waits half of it (not the daemon's
+    ``save_wait_ms`` of a minute), then evicts one unwritten object (counted) and is
+    stored in time: its Reserve carried what was left of its deadline."""
+    config = tmp_path / "slow.toml"
+    config.write_text(f'[disk]\npath = "{tmp_path / "disk"}"\nio_delay_ms = 1000\n'
+                      'io_threads = 1\ninflight = "1M"\nsave_wait_ms = 60000\n')
+    server = make_server(capacity="6M", extra_args=["--config", str(config)])
+    client_env(server)
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="itest")))
+    try:
+        cc = Ems.get_cc()
+        for i in range(4):  # one write-out each: the first written (pinned), three queued
+            key = f"fill-{i}"
+            v = Value(MIB, pattern(key, MIB))
+            assert cc.save(CcKvOption(), [key], [v.wrappers()]).success == 1
+        keys = [f"late-{i}" for i in range(3)]  # room for two: the third waits
+        values = [Value(MIB, pattern(k, MIB)) for k in keys]
+        t0 = time.monotonic()
+        res = cc.save(CcKvOption(timeout=400, write_out=False), keys,
+                      [v.wrappers() for v in values])
+        elapsed = time.monotonic() - t0
+        assert res.success == 3, res
+        assert 0.15 < elapsed < 0.4, elapsed  # waited, and returned by its deadline
+        assert _disk(server)["save_waits"] >= 1
+        # the evicted one is counted when its write's turn comes (the others written)
+        disk = _settled(server, 3)
+        assert disk["unwritten"]["evicted_unwritten"] == 1 and disk["objects"] == 3, disk
+        figures.update(timeout_ms=400, returned_after_ms=round(elapsed * 1000, 1))
+    finally:
+        Ems.finalize()
+
+
 def test_stats_and_metrics_show_the_disk_tier(make_server, workers, tmp_path):
     from support.control_support import free_port, scrape, value
 

@@ -169,6 +169,29 @@ def test_past_save_wait_s_a_save_evicts_an_unwritten_object_and_counts_it(world)
     assert sorted(engine.written) == sorted(set("abcd") - gone)
 
 
+@pytest.mark.parametrize("budget_ms, waits_s", [(60, 0.03), (1000, 0.1), (0, 0.1)])
+def test_a_save_waits_half_its_deadline_at_most(world, budget_ms, waits_s):
+    """A Reserve's ``budget_ms`` (what is left of its deadline) bounds its wait to half
+    of it, below ``save_wait_s`` (0.1 s here); 0 (no deadline): ``save_wait_s``."""
+    clock, loop, tenant, engine, driver, session, handlers, out = world
+    pool = tenant.pool
+    for i, key in enumerate("abcd"):
+        _save(handlers, session, pool, i + 1, [key])
+        _commit_reply(handlers, session, out)
+    loop.advance(0)
+    replies = len(out.wires)
+    handlers.serve(session, m.Reserve, [9, ["e"], [BLOCK], True, None, True, budget_ms])
+    loop.advance(waits_s - 0.005)
+    assert len(out.wires) == replies  # still waiting
+    assert driver.statistics().unwritten["evicted_unwritten"] == 0
+    loop.advance(0.01)
+    assert out.wires[-1][1] == 9 and out.wires[-1][2] == [GrantStatus.NEW]
+    assert len(set("abcd") - set(pool.keys())) == 1  # one unwritten object evicted
+    handlers.serve(session, m.Abort, [list(out.wires[-1][3])])
+    _settle(loop, engine, 3, lambda: len(engine.written) == 3)
+    assert driver.statistics().unwritten["evicted_unwritten"] == 1
+
+
 def test_ems_stats_says_what_was_not_written_and_why():
     from ems.protocol.report import DaemonReport, DiskReport
     from ems.stats import format_report

@@ -211,7 +211,7 @@ def test_request_options_travel_and_may_be_left_off():
     assert m.Acquire.validate([1, ["k"], [64]]) == [1, ["k"], [64], False, 0]
     assert m.Put.validate([1, ["k"], [0], [64], False]) == [1, ["k"], [0], [64], False,
                                                              True, 0, None, True]
-    assert m.Reserve.validate([1, ["k"], [64]]) == [1, ["k"], [64], True, None, True]
+    assert m.Reserve.validate([1, ["k"], [64]]) == [1, ["k"], [64], True, None, True, 0]
     for bad in ([1, ["k"]], [1, ["k"], [64], True, 250, 7]):
         with pytest.raises(EmsException):
             m.Acquire.validate(bad)

@@ -174,8 +174,6 @@ def test_write_out_is_a_trailing_option_old_peers_keep_working() -> None:
     """An old client's Reserve/Put (no ``write_out``) means write out, as before; a new
     client leaves the field off unless it is False, so an old daemon takes its
     default requests (the field count it knows); False travels and is checked."""
-    from ems.client.remote import _trimmed
-
     old_reserve = encode_wire([m.Reserve.TYPE, 1, ["k"], [64], True, None])
     assert decode_all(old_reserve) == [m.Reserve(1, ["k"], [64])]
     assert decode_all(old_reserve)[0].write_out is True
@@ -183,13 +181,34 @@ def test_write_out_is_a_trailing_option_old_peers_keep_working() -> None:
     assert decode_all(encode_wire(old_put))[0].write_out is True
     new = m.Put.wire(rid=1, keys=["k"], offsets=[0], sizes=[64], want_lease=False,
                      write_out=True)
-    assert _trimmed(new, True) == old_put  # what a daemon from before the field takes
-    skip = _trimmed(m.Reserve.wire(rid=2, keys=["k"], sizes=[64], write_out=False), False)
+    assert m.trimmed(new, 1) == old_put  # what a daemon from before the field takes
+    skip = m.trimmed(m.Reserve.wire(rid=2, keys=["k"], sizes=[64], write_out=False), 2)
+    assert skip[-1] is False  # (budget_ms 0 left off, write_out False kept)
     assert decode_all(encode_wire(skip)) == [m.Reserve(2, ["k"], [64], write_out=False)]
     with pytest.raises(EmsException) as info:
         decode_all(encode_wire([m.Reserve.TYPE, 1, ["k"], [64], True, None, 1]))
     assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
     assert "Reserve.write_out" in info.value.message()
+
+
+def test_a_reserves_budget_travels_after_write_out_and_is_left_off_at_zero() -> None:
+    """``budget_ms`` (what is left of the save's deadline) follows ``write_out``: a
+    Reserve without a deadline is sent as a daemon from before both fields reads it; with
+    one, both travel (``write_out`` True among them) and are checked."""
+    plain = m.trimmed(m.Reserve.wire(rid=3, keys=["k"], sizes=[64]), 2)
+    assert plain == [m.Reserve.TYPE, 3, ["k"], [64], True, None]
+    timed = m.trimmed(m.Reserve.wire(rid=4, keys=["k"], sizes=[64], budget_ms=250), 2)
+    assert timed == [m.Reserve.TYPE, 4, ["k"], [64], True, None, True, 250]
+    assert decode_all(encode_wire(timed)) == [m.Reserve(4, ["k"], [64], budget_ms=250)]
+    only_out = m.trimmed(m.Reserve.wire(rid=5, keys=["k"], sizes=[64], write_out=False,
+                                        budget_ms=0), 2)
+    assert only_out == [m.Reserve.TYPE, 5, ["k"], [64], True, None, False]
+    # a field older than the newer ones is never left off, even at its default
+    assert m.trimmed(m.Reserve.wire(rid=6, keys=["k"], sizes=[64]), 0)[-1] == 0
+    with pytest.raises(EmsException) as info:
+        decode_all(encode_wire([m.Reserve.TYPE, 1, ["k"], [64], True, None, True, -1]))
+    assert info.value.status_code() is EmsErrorCode.EMS_PROTOCOL_ERROR
+    assert "Reserve.budget_ms" in info.value.message()
 
 
 def test_version_mismatch_names_both_versions() -> None:

@@ -30,7 +30,8 @@ from ems.server import handlers
 #: Every message's wire code and field order. Changing a row changes the protocol:
 #: bump PROTOCOL_VERSION with it (this table says which version it describes). An
 #: optional field added at the end (a default, left off by older senders: Reserve's
-#: and Put's ``hashes``) keeps the version: older clients still work.
+#: and Put's ``hashes``, ``write_out``, Reserve's ``budget_ms``) keeps the version: older
+#: clients still work.
 WIRE = {
     "version": 5,
     m.Hello: (1, ("access_id", "admin")),
@@ -38,7 +39,8 @@ WIRE = {
     m.Auth: (3, ("mac",)),
     m.Welcome: (4, ("tenant", "segment_id", "segment_size", "reservation_ttl_s", "server",
                     "max_keys", "align", "lease_size")),
-    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache", "hashes", "write_out")),
+    m.Reserve: (10, ("rid", "keys", "sizes", "write_rcache", "hashes", "write_out",
+                     "budget_ms")),
     m.Commit: (11, ("rid", "tokens", "budget_ms")),
     m.Abort: (12, ("tokens",)),
     m.Acquire: (13, ("rid", "keys", "sizes", "local_only", "budget_ms")),
@@ -101,7 +103,8 @@ def test_the_hashes_of_a_reserve_or_put_reach_the_handler():
     server.phase = Phase.READY
     with_hashes = m.Reserve.wire(rid=1, keys=["a", "b"], sizes=[8, 8], hashes=[1, 2**64 - 1])
     (cls, values), = server.receive(encode_wire(with_hashes))
-    assert cls is m.Reserve and values == [1, ["a", "b"], [8, 8], True, [1, 2**64 - 1], True]
+    assert cls is m.Reserve and values == [1, ["a", "b"], [8, 8], True, [1, 2**64 - 1], True,
+                                           0]
     old = m.Put.wire(rid=2, keys=["a"], offsets=[0], sizes=[8], want_lease=False)[:-4]
     (cls, values), = server.receive(encode_wire(old))  # (the four options off)
     assert cls is m.Put and values == [2, ["a"], [0], [8], False, True, 0, None, True]

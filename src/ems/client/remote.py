@@ -205,12 +205,9 @@ def _write_out(option: Optional[CcKvOption]) -> bool:
     return True if option is None else bool(option.write_out)
 
 
-def _trimmed(wire: list[Any], write_out: bool) -> list[Any]:
-    """A Reserve or Put as sent: ``write_out`` (its last field) left off when True, so
-    a daemon from before the field takes it as before."""
-    if write_out:
-        del wire[-1]
-    return wire
+#: the trailing fields of a Put and of a Reserve newer than ems 0.1.0's daemon (left off
+#: while at their defaults: ``ems.protocol.messages.trimmed``)
+_PUT_NEWER, _RESERVE_NEWER = 1, 2  # write_out; write_out and budget_ms
 
 
 def _read_local_only(option: Optional[CcKvOption]) -> bool:
@@ -443,10 +440,10 @@ class RemoteTransport(Transport):
         """One Put of written lease ranges (asking for a fresh lease when ``want``)."""
         try:
             _, reply = self._call(
-                lambda rid: _trimmed(_put_wire(
+                lambda rid: m.trimmed(_put_wire(
                     rid=rid, keys=keys, offsets=offsets, sizes=sizes, want_lease=want,
                     write_rcache=write_rcache, budget_ms=_budget_ms(task), hashes=hashes,
-                    write_out=write_out), write_out),
+                    write_out=write_out), _PUT_NEWER),
                 task, session, spin)
         except EmsException:
             # If the Put did reach the daemon, this comes after it and finds the ranges
@@ -500,10 +497,10 @@ class RemoteTransport(Transport):
                   else _slices(sizes, session.max_keys, slice_bytes)) or [(0, 0)]
 
         def reserve(lo: int, hi: int) -> _Flight:
-            return self._send(lambda rid: _trimmed(m.Reserve.wire(
+            return self._send(lambda rid: m.trimmed(m.Reserve.wire(
                 rid=rid, keys=keys[lo:hi], sizes=sizes[lo:hi], write_rcache=wrc,
-                hashes=None if hashes is None else hashes[lo:hi], write_out=out), out),
-                task, session)
+                hashes=None if hashes is None else hashes[lo:hi], write_out=out,
+                budget_ms=_budget_ms(task)), _RESERVE_NEWER), task, session)
         # the grants of the slices answered so far, per key
         statuses: list[int] = []
         tokens: list[int] = []

@@ -17,7 +17,8 @@ A connection goes through two phases::
                                              or Error(EMS_AUTH_FAILED) and close
     ---------------------------- ready ----------------------------------------
     Reserve(rid, keys, sizes,        ->      Granted(rid, statuses, tokens, offsets, sizes)
-            write_rcache, hashes, write_out)
+            write_rcache, hashes,
+            write_out, budget_ms)
     Commit(rid, tokens, budget_ms)   ->      Committed(rid, ok)
     Abort(tokens)                    ->      (no reply)
     Acquire(rid, keys, sizes,        ->      Pinned(rid, tokens, offsets, sizes)
@@ -51,6 +52,11 @@ changes nothing else.
 objects of the save in shared memory only: the daemon's tiers do not write them out (no
 disk record, no cluster write-behind; counted as ``skipped_caller``). A client leaves
 the field off when it is True, so a daemon from before it takes the request as before.
+
+``budget_ms`` of a Reserve (after ``write_out``): what is left of the save's deadline,
+which bounds how long a daemon with a disk tier lets the Reserve wait for the disk's
+writer (back-pressure: at most half of it, ``ems.server.handlers``). Left off when 0
+(no deadline), as ``write_out`` when True (:func:`trimmed`).
 
 ``rid`` (request id, > 0) is chosen by the client and echoed in the reply, so many
 requests of one client share one connection; ``Error`` with ``rid == 0`` is about
@@ -120,6 +126,7 @@ __all__ = [
     "Welcome",
     "auth_mac",
     "from_wire",
+    "trimmed",
     "wire_class",
 ]
 
@@ -425,6 +432,20 @@ def from_wire(obj: object) -> Message:
     return cls.check(obj[1:])
 
 
+def trimmed(wire: list[object], newer: int) -> list[object]:
+    """``wire`` (a request's wire form) as sent: of its last ``newer`` fields (the
+    options added since a daemon a client may still meet), each left off from the end
+    while it holds its default, so a daemon from before them takes a request that does
+    not use them as before (``validate`` fills them in again)."""
+    cls = MESSAGES[wire[0]]  # type: ignore[index]
+    for default in reversed(cls._DEFAULTS[len(cls._DEFAULTS) - newer:]):
+        last = wire[-1]
+        if type(last) is not type(default) or last != default:
+            break
+        del wire[-1]
+    return wire
+
+
 def wire_class(obj: object) -> type[Message]:
     """The message class a decoded msgpack body claims to be (its fields unchecked)."""
     if type(obj) is not list or not obj or type(obj[0]) is not int:
@@ -488,7 +509,9 @@ class Welcome(Message):
 @_message(10)
 class Reserve(Message):
     """``write_rcache`` False: the values go to the cluster's home node only (a
-    cluster daemon sends them at Commit and keeps no local copy)."""
+    cluster daemon sends them at Commit and keeps no local copy). ``budget_ms``: what
+    is left of the save's deadline (0: none), which bounds the Reserve's wait for a
+    disk's writer."""
 
     rid: int = _field(_rid)
     keys: list = _field(_strs)
@@ -496,6 +519,7 @@ class Reserve(Message):
     write_rcache: bool = _field(_bool, True)
     hashes: Optional[list] = _field(_opt(_uints), None)
     write_out: bool = _field(_bool, True)
+    budget_ms: int = _field(_uint, 0)
     PARALLEL = (("keys", "sizes", "hashes"),)
 
 

@@ -245,8 +245,9 @@ class DiskConfig:
         default=1 << 30, key="queue")
     save_wait_ms: float = setting(
         "a save that finds shared memory full of objects not on disk yet waits this "
-        "long at most for the disk's writer before it evicts one (counted), ms; 0: it "
-        "evicts at once", Number(0, 60000), default=100.0)
+        "long at most (and half of what is left of its deadline at most) for the disk's "
+        "writer before it evicts one (counted), ms; 0: it evicts at once",
+        Number(0, 60000), default=1000.0)
     write_buffer_bytes: int = setting(
         "bytes of values packed into one write (one pwritev, one batch head; a multiple "
         "of 4096, below 4G)", Size(), default=8 << 20, key="write_buffer")

@@ -60,6 +60,9 @@ def lease_bytes(capacity_bytes: int) -> int:
 #: rest is for the reply and the client's copy.
 BUDGET_SHARE = 0.8
 _NEW, _FULL = GrantStatus.NEW, GrantStatus.FULL
+#: the share of what is left of a save's deadline (a Reserve's ``budget_ms``) that it may
+#: wait for a disk's writer: the rest is for the copy and the Commit
+_WAIT_SHARE = 0.5
 #: a named tuple (a Reservation per key of a save) made without its ``__new__``'s call:
 #: see ``ems.pool.core._new``
 _new = tuple.__new__
@@ -214,27 +217,33 @@ class Handlers:
     # order of their one definition in ``ems.protocol.messages``.
     def _on_reserve(self, session: Session, pool: Pool, rid: int, keys: list[str],
                     sizes: list[int], write_rcache: bool, hashes: Optional[list[int]],
-                    write_out: bool = True) -> None:
+                    write_out: bool = True, budget_ms: int = 0) -> None:
         if sizes and min(sizes) <= 0:
             self._error(session, rid, EmsErrorCode.EMS_INVALID_ARGUMENT, "sizes must be > 0")
             return
         waits = self._waits
         grants = pool.reserve(keys, sizes, session.id, spare_unwritten=bool(waits))
         if waits and any(g.status is _FULL for g in grants):
-            self._reserve_later(session, pool, rid, keys, sizes, grants, self._clock(),
+            since = self._clock()
+            until = since + budget_ms * _WAIT_SHARE / 1000 if budget_ms else None
+            self._reserve_later(session, pool, rid, keys, sizes, grants, since, until,
                                 write_rcache, hashes, write_out)
             return
         self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)
 
     def _reserve_later(self, session: Session, pool: Pool, rid: int, keys: list[str],
                        sizes: list[int], grants: list[Grant], since: float,
-                       write_rcache: bool, hashes: Optional[list[int]], write_out: bool
-                       ) -> None:
+                       until: Optional[float], write_rcache: bool,
+                       hashes: Optional[list[int]], write_out: bool) -> None:
         """Back-pressure: some keys of a Reserve found the pool full of objects a tier
         has not written out yet. Wait for one of its writes to end (then they are
         evictable without loss) and ask again for those keys, until the tier's
-        ``save_wait_s``; then once more, evicting unwritten objects if it must
-        (counted by the tier as ``evicted_unwritten``)."""
+        ``save_wait_s`` or ``until`` (half of what was left of the save's deadline,
+        ``_WAIT_SHARE``: the copy and the Commit need the rest), whichever first; then
+        once more, evicting unwritten objects if it must (counted by the tier as
+        ``evicted_unwritten``). A save past its deadline has been given up by its
+        client, which aborts what it is granted: bounded by the deadline, the wait
+        never evicts an unwritten object for a save nobody will commit."""
         tenant = session.tenant
         assert tenant is not None
 
@@ -249,11 +258,11 @@ class Handlers:
             if not session.serves(tenant):
                 return  # gone: its reservations went with it (``drop_owner``)
             regrant(True)
-            self._reserve_later(session, pool, rid, keys, sizes, grants, since,
+            self._reserve_later(session, pool, rid, keys, sizes, grants, since, until,
                                 write_rcache, hashes, write_out)
 
         if any(g.status is _FULL for g in grants):
-            if any(t.wait_written(tenant, since, again) for t in self._waits):
+            if any(t.wait_written(tenant, since, until, again) for t in self._waits):
                 return
             regrant(False)  # waited long enough, or nothing to wait for
         self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)

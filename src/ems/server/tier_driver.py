@@ -761,14 +761,18 @@ class TierDriver(Tier):
             wake()
         self._memory.forget(tenant)
 
-    def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
+    def wait_written(self, tenant: Tenant, since: float, until: Optional[float],
+                     then: Callable[[], None]) -> bool:
         """Call ``then`` on the loop once one of ``tenant``'s write-outs has ended (its
         values unpinned and written: evictable without loss) or ``save_wait_s`` after
-        ``since``, whichever first; False (``then`` not called) when that time has
-        passed or no write-out of the tenant is queued or running: nothing to wait for
-        (``ems.server.handlers``, "Back-pressure")."""
+        ``since`` (or at ``until``, where the save's deadline says so), whichever first;
+        False (``then`` not called) when that time has passed or no write-out of the
+        tenant is queued or running: nothing to wait for (``ems.server.handlers``,
+        "Back-pressure")."""
         name = tenant.name
         deadline = since + self.settings.save_wait_s
+        if until is not None and until < deadline:
+            deadline = until
         if self._closed or self._clock() >= deadline or not (
                 self._inflight_per_tenant.get(name, 0) or self._queued_per_tenant[name]):
             return False

@@ -147,11 +147,13 @@ class Tier:
     def evicted(self, tenant: Tenant, key: str, size: int) -> None:
         """``key`` left ``tenant``'s pool to make room for another."""
 
-    def wait_written(self, tenant: Tenant, since: float, then: Callable[[], None]) -> bool:
+    def wait_written(self, tenant: Tenant, since: float, until: Optional[float],
+                     then: Callable[[], None]) -> bool:
         """A save found ``tenant``'s pool full of objects this tier has not written yet
         (``Pool.mark_unwritten``): call ``then()`` on the loop when one of its writes
         of the tenant ended, or when the save has waited long enough since ``since``
-        (monotonic s). False: nothing to wait for (``then`` is not called)."""
+        (monotonic s), and by ``until`` at the latest (None: no bound of the save's
+        own). False: nothing to wait for (``then`` is not called)."""
         return False
 
     def closed(self, session: Session) -> None:
