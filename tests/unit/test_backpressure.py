@@ -115,6 +115,17 @@ def _commit_reply(handlers: Handlers, session: Session, out: Replies) -> list[in
     return list(statuses)
 
 
+def _full_of_unwritten(loop: FakeLoop, handlers: Handlers, session: Session, pool: Pool,
+                       out: Replies) -> int:
+    """Fill the pool (four blocks) with saves the gated writer has not written (the
+    first is being written); the replies so far."""
+    for i, key in enumerate("abcd"):
+        _save(handlers, session, pool, i + 1, [key])
+        _commit_reply(handlers, session, out)
+    loop.advance(0)
+    return len(out.wires)
+
+
 def _settle(loop: FakeLoop, engine: GatedEngine, n: int, done) -> None:
     """Let ``n`` writes through and run the loop until ``done()``."""
     for _ in range(n):
@@ -149,11 +160,7 @@ def test_a_save_waits_for_the_writer_instead_of_evicting_an_unwritten_object(wor
 def test_past_save_wait_s_a_save_evicts_an_unwritten_object_and_counts_it(world):
     clock, loop, tenant, engine, driver, session, handlers, out = world
     pool = tenant.pool
-    for i, key in enumerate("abcd"):
-        _save(handlers, session, pool, i + 1, [key])
-        _commit_reply(handlers, session, out)
-    loop.advance(0)
-    replies = len(out.wires)
+    replies = _full_of_unwritten(loop, handlers, session, pool, out)
     _save(handlers, session, pool, 9, ["e"])
     loop.advance(0.05)
     assert len(out.wires) == replies  # still within save_wait_s
@@ -175,11 +182,7 @@ def test_a_save_waits_half_its_deadline_at_most(world, budget_ms, waits_s):
     of it, below ``save_wait_s`` (0.1 s here); 0 (no deadline): ``save_wait_s``."""
     clock, loop, tenant, engine, driver, session, handlers, out = world
     pool = tenant.pool
-    for i, key in enumerate("abcd"):
-        _save(handlers, session, pool, i + 1, [key])
-        _commit_reply(handlers, session, out)
-    loop.advance(0)
-    replies = len(out.wires)
+    replies = _full_of_unwritten(loop, handlers, session, pool, out)
     handlers.serve(session, m.Reserve, [9, ["e"], [BLOCK], True, None, True, budget_ms])
     loop.advance(waits_s - 0.005)
     assert len(out.wires) == replies  # still waiting
