@@ -242,8 +242,9 @@ class Handlers:
         ``_WAIT_SHARE``: the copy and the Commit need the rest), whichever first; then
         once more, evicting unwritten objects if it must (counted by the tier as
         ``evicted_unwritten``). A save past its deadline has been given up by its
-        client, which aborts what it is granted: bounded by the deadline, the wait
-        never evicts an unwritten object for a save nobody will commit."""
+        client, which aborts what it is granted: bounded by half of it, the wait ends
+        while the client still waits for the answer, rather than evicting for a save
+        the client has given up."""
         tenant = session.tenant
         assert tenant is not None
 
