@@ -176,9 +176,10 @@ class Handlers:
         self._error(session, v[0], EmsErrorCode.EMS_INVALID_ARGUMENT, problem[1])
         return False
 
-    def _deadline(self, budget_ms: int) -> Optional[float]:
-        """The tiers' deadline of a request with ``budget_ms`` left (0: none given)."""
-        return self._clock() + budget_ms / 1000 * BUDGET_SHARE if budget_ms else None
+    def _deadline(self, budget_ms: int, share: float = BUDGET_SHARE) -> Optional[float]:
+        """The tiers' deadline of a request with ``budget_ms`` left (0: none given):
+        ``share`` of it from now."""
+        return self._clock() + budget_ms / 1000 * share if budget_ms else None
 
     def _lease(self, pool: Pool, session: Session) -> tuple[int, int]:
         """A fresh lease for ``session``: (offset, size), or (0, 0) when there is no
@@ -224,10 +225,9 @@ class Handlers:
         waits = self._waits
         grants = pool.reserve(keys, sizes, session.id, spare_unwritten=bool(waits))
         if waits and any(g.status is _FULL for g in grants):
-            since = self._clock()
-            until = since + budget_ms * _WAIT_SHARE / 1000 if budget_ms else None
-            self._reserve_later(session, pool, rid, keys, sizes, grants, since, until,
-                                write_rcache, hashes, write_out)
+            self._reserve_later(session, pool, rid, keys, sizes, grants, self._clock(),
+                                self._deadline(budget_ms, _WAIT_SHARE), write_rcache,
+                                hashes, write_out)
             return
         self._granted(session, rid, keys, grants, write_rcache, hashes, write_out)
 
